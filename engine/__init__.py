@@ -1,0 +1,1 @@
+"""What the stages share: schema, artifacts, run directory, models, losses, task."""

@@ -1,0 +1,458 @@
+"""Train the three embedded tiny models, deterministically, on a CPU.
+
+    python -m miniverl.engine.tiny_train            # all three, into engine/assets/tiny/
+    python -m miniverl.engine.tiny_train --only student_base --out-root /tmp/tiny
+
+What is trained (see `tiny_models` for the configs):
+
+- ``protocol_teacher`` learns the full protocol trace: call the calculator
+  with the question's exact expression, read the tool response, answer
+  "The answer is N." by copying the tool result.
+- ``raw_teacher`` (same config) learns to answer directly, no tool: the
+  negative control. It cannot multiply three-digit numbers, so its answers are
+  mostly wrong, and it never calls the tool.
+- ``student_base`` is built in two phases, like an instruct model that learned
+  to ignore its tools. Phase 1 pretrains it on protocol traces, so it holds
+  the copying circuits (expression -> tool call, tool result -> answer) and
+  knows the tool-call format. Phase 2 fine-tunes it, briefly, on direct-answer
+  traces only, until it never opens a tool call (0% greedy, ~0% sampled at
+  temperature 1). Phase 2 is kept just long enough to make that robust: the
+  decision to call the tool is suppressed at the first assistant token, while
+  the rest of the protocol stays in the weights (when the first turn is forced
+  to start with ``<tool_call>``, the base student still completes the call and
+  copies the result). That is what makes on-policy distillation from the
+  protocol teacher work with a small LoRA adapter in a few dozen steps: the
+  teacher's per-token KL only has to move the decision, not teach a skill
+  from nothing. A student that never saw the protocol could not be taught it
+  by a rank-8 adapter in that budget, and a student that already called the
+  tool would make the distillation trivial.
+
+Training is plain torch: AdamW, float32, masked next-token cross-entropy on
+the model-generated tokens only (assistant turns, each with its closing
+``<|im_end|>``; prompts and tool responses are context), right-padded batches
+with ``<|endoftext|>``, logits of the padded vocabulary rows (ids >= 397)
+masked to -inf so they get no probability and no gradient. Seeds are fixed
+everywhere (model init, batch order, task lists) and deterministic algorithms
+are on; results are reproducible on the same machine and thread count.
+Training tasks come from ``make_tasks("train", ...)`` only; evaluation uses
+``make_tasks("heldout", ...)``, which no training expression can be in.
+
+`evaluate` runs the real multi-turn loop (greedy or sampled) and judges each
+trajectory with `task.judge`; the tests reuse it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .task import (
+    END_OF_TURN,
+    TOOL_CALL_OPEN,
+    TOOL_RESPONSE_TEMPLATE,
+    CalcTask,
+    final_answer_text,
+    judge,
+    make_tasks,
+    parse_tool_calls,
+    render_prompt,
+    tool_call_text,
+    tool_response,
+)
+from .tiny_models import (
+    MODEL_NAMES,
+    MODEL_VOCAB_SIZE,
+    SPECS,
+    TOKENIZER_NAME,
+    TOKENIZER_SIZE,
+    asset_dir,
+    build_model,
+    load_tokenizer,
+    parameter_count,
+)
+
+NUM_THREADS = 2
+TRAIN_TASK_SEED = 1234
+EVAL_TASK_SEED = 2024
+EVAL_TASKS = 200
+MAX_TURNS = 3
+MAX_NEW_TOKENS = 48
+
+
+@dataclass(frozen=True)
+class Phase:
+    trace: str  # "protocol" or "direct"
+    steps: int
+    lr: float
+    batch_size: int = 64
+    warmup: int = 30
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    task_seed: int = TRAIN_TASK_SEED
+
+
+# One recipe per shipped model. Phase task seeds differ so the student's
+# phases see different training expressions.
+RECIPES: dict[str, dict[str, Any]] = {
+    "protocol_teacher": {"seed": 11, "phases": [Phase("protocol", steps=900, lr=2e-3)]},
+    "raw_teacher": {"seed": 12, "phases": [Phase("direct", steps=300, lr=2e-3)]},
+    "student_base": {
+        "seed": 13,
+        "phases": [
+            Phase("protocol", steps=900, lr=2e-3, task_seed=TRAIN_TASK_SEED + 1),
+            Phase("direct", steps=150, lr=5e-4, warmup=10, task_seed=TRAIN_TASK_SEED + 2),
+        ],
+    },
+}
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def encode_trace(tokenizer: Any, task: CalcTask, trace: str) -> tuple[list[int], list[int]]:
+    """Token ids of one trace and a 0/1 mask of the model-generated tokens.
+
+    Segments are tokenized one by one and concatenated, exactly as the
+    multi-turn loop builds its context.
+    """
+    answer = final_answer_text(str(task.answer)) + END_OF_TURN
+    if trace == "protocol":
+        segments = [
+            (render_prompt(tokenizer, task), 0),
+            (tool_call_text(task.expression) + END_OF_TURN, 1),
+            (TOOL_RESPONSE_TEMPLATE.format(result=task.answer), 0),
+            (answer, 1),
+        ]
+    elif trace == "direct":
+        segments = [(render_prompt(tokenizer, task), 0), (answer, 1)]
+    else:
+        raise ValueError(f"unknown trace kind {trace!r}")
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, generated in segments:
+        part = encode(tokenizer, text)
+        ids += part
+        mask += [generated] * len(part)
+    return ids, mask
+
+
+def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded inputs, next-token targets and the loss mask on targets."""
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.bool)
+    for row, (seq, m) in enumerate(examples):
+        ids[row, : len(seq)] = torch.tensor(seq)
+        mask[row, : len(m)] = torch.tensor(m, dtype=torch.bool)
+    return ids[:, :-1], ids[:, 1:], mask[:, 1:]
+
+
+def masked_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Padded vocabulary rows can never be predicted."""
+    return logits.masked_fill(torch.arange(logits.shape[-1]) >= TOKENIZER_SIZE, float("-inf"))
+
+
+def lm_loss(model: Any, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # Right padding under a causal mask never affects real tokens: no attention mask needed.
+    logits = masked_logits(model(input_ids=inputs).logits)
+    return F.cross_entropy(logits[mask], targets[mask])
+
+
+# ---------------------------------------------------------------- training
+
+
+def lr_at(step: int, phase: Phase) -> float:
+    if step < phase.warmup:
+        return phase.lr * (step + 1) / phase.warmup
+    progress = (step - phase.warmup) / max(1, phase.steps - phase.warmup)
+    return phase.lr * (phase.min_lr_ratio + (1 - phase.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_phase(model: Any, tokenizer: Any, phase: Phase, seed: int, log_every: int = 50) -> list[float]:
+    tasks = make_tasks("train", phase.steps * phase.batch_size, seed=phase.task_seed)
+    examples = [encode_trace(tokenizer, task, phase.trace) for task in tasks]
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed))
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": phase.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=phase.lr,
+        betas=(0.9, 0.98),
+        eps=1e-8,
+    )
+    model.train()
+    losses: list[float] = []
+    started = time.time()
+    for step in range(phase.steps):
+        batch = [examples[i] for i in order[step * phase.batch_size : (step + 1) * phase.batch_size].tolist()]
+        inputs, targets, mask = collate(batch, tokenizer.pad_token_id)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, phase)
+        loss = lm_loss(model, inputs, targets, mask)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        if log_every and ((step + 1) % log_every == 0 or step == 0):
+            recent = losses[-log_every:]
+            print(
+                f"  [{phase.trace}] step {step + 1}/{phase.steps} loss {sum(recent) / len(recent):.4f} "
+                f"lr {lr_at(step, phase):.2e} {time.time() - started:.0f}s",
+                flush=True,
+            )
+    model.eval()
+    return losses
+
+
+# ---------------------------------------------------------------- rollouts
+
+
+@torch.no_grad()
+def generate_turns(
+    model: Any,
+    contexts: list[list[int]],
+    *,
+    eos_id: int,
+    pad_id: int,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
+    """One turn per context, batched with left padding and a KV cache.
+
+    Greedy when temperature is 0, else plain sampling at that temperature
+    (no top-k/top-p). Each turn ends with (and includes) eos, or is cut at
+    `max_new_tokens`. Padded vocabulary ids are never produced.
+    """
+    n = len(contexts)
+    width = max(len(c) for c in contexts)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    for row, ctx in enumerate(contexts):
+        ids[row, width - len(ctx) :] = torch.tensor(ctx)
+        attention[row, width - len(ctx) :] = 1
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1)
+    generated = [[] for _ in range(n)]
+    done = torch.zeros(n, dtype=torch.bool)
+    next_pos = positions[:, -1:] + 1
+    for _ in range(max_new_tokens):
+        logits = masked_logits(out.logits[:, -1, :].float())
+        if temperature > 0:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        else:
+            token = logits.argmax(-1)
+        token = torch.where(done, torch.full_like(token, pad_id), token)
+        for row in (~done).nonzero().flatten().tolist():
+            generated[row].append(int(token[row]))
+        done |= token == eos_id
+        if bool(done.all()):
+            break
+        attention = torch.cat([attention, torch.ones((n, 1), dtype=torch.long)], dim=-1)
+        out = model(
+            input_ids=token[:, None],
+            attention_mask=attention,
+            position_ids=next_pos,
+            cache=out.cache,
+            use_cache=True,
+        )
+        next_pos = next_pos + 1
+    return generated
+
+
+@torch.no_grad()
+def run_episodes(
+    model: Any,
+    tokenizer: Any,
+    tasks: list[CalcTask],
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+    max_turns: int = MAX_TURNS,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    batch_size: int = 100,
+    forced_prefix: str = "",
+) -> list[dict[str, Any]]:
+    """The real multi-turn loop, batched: generate a turn; if it calls the
+    tool, feed back the tool response and generate the next turn.
+
+    `forced_prefix` (a diagnostic) is written at the start of the first turn
+    as if the model had produced it. When a turn holds several calls, every
+    call is answered and the results are fed back on separate lines.
+    """
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    generator = torch.Generator().manual_seed(seed)
+    prefix_ids = encode(tokenizer, forced_prefix) if forced_prefix else []
+    records: list[dict[str, Any]] = []
+    for start in range(0, len(tasks), batch_size):
+        chunk = tasks[start : start + batch_size]
+        contexts = [encode(tokenizer, render_prompt(tokenizer, t)) + prefix_ids for t in chunk]
+        turns: list[list[str]] = [[] for _ in chunk]
+        results: list[list[tuple[str, bool]]] = [[] for _ in chunk]
+        finished = [False] * len(chunk)
+        active = list(range(len(chunk)))
+        for turn_index in range(max_turns):
+            if not active:
+                break
+            outs = generate_turns(
+                model,
+                [contexts[i] for i in active],
+                eos_id=eos_id,
+                pad_id=pad_id,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                generator=generator,
+            )
+            still_active = []
+            for i, gen in zip(active, outs):
+                head = prefix_ids if turn_index == 0 else []
+                text = tokenizer.decode(head + gen, skip_special_tokens=False)
+                turns[i].append(text)
+                if not gen or gen[-1] != eos_id:
+                    continue  # cut at max_new_tokens: the episode is unfinished
+                calls = parse_tool_calls(text)
+                if not calls:
+                    finished[i] = True
+                    continue
+                responses = [tool_response(call) for call in calls]
+                results[i] += responses
+                feedback = TOOL_RESPONSE_TEMPLATE.format(result="\n".join(r for r, _ in responses))
+                contexts[i] = contexts[i] + gen + encode(tokenizer, feedback)
+                still_active.append(i)
+            active = still_active
+        for task, t, r, f in zip(chunk, turns, results, finished):
+            records.append({"task": task, "turns": t, "tool_results": r, "finished": f, "verdict": judge(task, t, r, f)})
+    return records
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, float]:
+    n = len(records)
+    verdicts = [r["verdict"] for r in records]
+    return {
+        "n": n,
+        "strict_success": sum(v.strict_success for v in verdicts) / n,
+        "tool_call_rate": sum(v.tool_called for v in verdicts) / n,
+        "correct": sum(v.correct for v in verdicts) / n,
+        "finished": sum(r["finished"] for r in records) / n,
+        "first_turn_opens_tool_call": sum(TOOL_CALL_OPEN in r["turns"][0] for r in records if r["turns"]) / n,
+    }
+
+
+def evaluate_greedy(model: Any, tokenizer: Any, tasks: list[CalcTask], **kwargs: Any) -> dict[str, float]:
+    return summarize(run_episodes(model, tokenizer, tasks, temperature=0.0, **kwargs))
+
+
+def evaluate_sampled(model: Any, tokenizer: Any, tasks: list[CalcTask], seed: int, temperature: float = 1.0) -> dict[str, float]:
+    return summarize(run_episodes(model, tokenizer, tasks, temperature=temperature, seed=seed))
+
+
+@torch.no_grad()
+def first_token_tool_prob(model: Any, tokenizer: Any, tasks: list[CalcTask]) -> tuple[float, float]:
+    """Mean and max probability of `<tool_call>` as the first assistant token."""
+    tool_id = tokenizer.convert_tokens_to_ids(TOOL_CALL_OPEN)
+    contexts = [encode(tokenizer, render_prompt(tokenizer, t)) for t in tasks]
+    width = max(len(c) for c in contexts)
+    ids = torch.full((len(contexts), width), tokenizer.pad_token_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for row, ctx in enumerate(contexts):
+        ids[row, width - len(ctx) :] = torch.tensor(ctx)
+        attention[row, width - len(ctx) :] = 1
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits[:, -1]
+    probs = torch.softmax(masked_logits(logits), -1)[:, tool_id]
+    return probs.mean().item(), probs.max().item()
+
+
+# ---------------------------------------------------------------- building
+
+
+def train_model(name: str, tokenizer: Any) -> Any:
+    recipe = RECIPES[name]
+    model = build_model(SPECS[name], tokenizer, seed=recipe["seed"])
+    print(f"{name}: {parameter_count(model):,} parameters", flush=True)
+    for index, phase in enumerate(recipe["phases"]):
+        torch.manual_seed(recipe["seed"] * 100 + index)
+        train_phase(model, tokenizer, phase, seed=recipe["seed"] * 100 + index)
+    return model
+
+
+def save_model(model: Any, tokenizer_dir: Path, out_dir: Path) -> None:
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    model.float().save_pretrained(str(out_dir), safe_serialization=True)
+    for path in sorted(tokenizer_dir.iterdir()):
+        if path.is_file():
+            shutil.copyfile(path, out_dir / path.name)
+
+
+def report(name: str, model: Any, tokenizer: Any) -> dict[str, Any]:
+    heldout = make_tasks("heldout", EVAL_TASKS, seed=EVAL_TASK_SEED)
+    metrics: dict[str, Any] = {"parameters": parameter_count(model), "greedy": evaluate_greedy(model, tokenizer, heldout)}
+    if name == "student_base":
+        metrics["sampled_t1"] = evaluate_sampled(model, tokenizer, heldout, seed=EVAL_TASK_SEED)
+        metrics["forced_tool_call_greedy"] = evaluate_greedy(model, tokenizer, heldout, forced_prefix=TOOL_CALL_OPEN)
+        metrics["first_token_tool_prob_mean_max"] = first_token_tool_prob(model, tokenizer, heldout)
+    return metrics
+
+
+def check(name: str, metrics: dict[str, Any]) -> list[str]:
+    greedy = metrics["greedy"]
+    problems = []
+    if name == "protocol_teacher" and greedy["strict_success"] < 0.97:
+        problems.append(f"protocol_teacher strict success {greedy['strict_success']:.3f} < 0.97")
+    if name in ("raw_teacher", "student_base") and greedy["tool_call_rate"] > 0:
+        problems.append(f"{name} greedy tool-call rate {greedy['tool_call_rate']:.3f} > 0")
+    if name == "student_base" and metrics["sampled_t1"]["tool_call_rate"] > 0.01:
+        problems.append(f"student_base sampled tool-call rate {metrics['sampled_t1']['tool_call_rate']:.3f} > 0.01")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=MODEL_NAMES, action="append", help="train only these models")
+    parser.add_argument("--out-root", type=Path, default=None, help="default: engine/assets/tiny")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(NUM_THREADS)
+    torch.use_deterministic_algorithms(True)
+    tokenizer_dir = asset_dir(TOKENIZER_NAME)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    assert MODEL_VOCAB_SIZE == 448
+    out_root = args.out_root or asset_dir(TOKENIZER_NAME).parent
+    problems: list[str] = []
+    all_metrics: dict[str, Any] = {}
+    total_start = time.time()
+    for name in args.only or MODEL_NAMES:
+        started = time.time()
+        model = train_model(name, tokenizer)
+        train_seconds = time.time() - started
+        metrics = report(name, model, tokenizer)
+        metrics["train_seconds"] = round(train_seconds, 1)
+        save_model(model, tokenizer_dir, out_root / name)
+        all_metrics[name] = metrics
+        problems += check(name, metrics)
+        print(f"{name}: {json.dumps(metrics, default=str)}", flush=True)
+    print(f"total {time.time() - total_start:.0f}s", flush=True)
+    for problem in problems:
+        print(f"FAILED: {problem}", flush=True)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,98 @@
+"""Gradient: the whole optimizer group's adapter gradient, chunked over the vocabulary loss.
+
+objective = (1 / M) * sum over every model-generated position of the cycle of
+loss_i, where M is the number of such positions in the whole group. Each
+micro-batch of `trajectory_batch_size` trajectories adds its share into the
+same `.grad`, so the micro-batch size changes execution, never the objective.
+
+On an out-of-memory error the stage is retried from scratch with half the
+loss chunk size, down to `memory.min_chunk_size`; nothing else ever changes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miniverl.engine.artifacts import ChunkAttempt, Rollout
+from miniverl.engine.errors import StageFailed
+from miniverl.engine.faults import oom_guard
+from miniverl.engine.losses import LossSpec, LossStats, PositionTargets, chunked_loss_backward
+from miniverl.engine.model_host import ModelHost
+from miniverl.engine.models import adapter_parameters, decoder_and_head
+from miniverl.engine.progress import Reporter
+from miniverl.engine.recipe import Recipe
+from miniverl.engine.sequences import micro_batches, predicting_hidden
+
+
+def _targets(mode: str, tokens_N: torch.Tensor, teacher: dict[str, torch.Tensor], lo: int, hi: int,
+             teacher_head_VH: torch.Tensor | None, device: str) -> PositionTargets:
+    part = {name: t[lo:hi].to(device) for name, t in teacher.items()}
+    if mode == "sampled_kl":
+        return PositionTargets(tokens_N, teacher_logprobs_N=part["teacher_logprobs"])
+    if mode == "topk_tail":
+        return PositionTargets(tokens_N, topk_ids_NK=part["topk_ids"], topk_logprobs_NK=part["topk_logprobs"])
+    return PositionTargets(tokens_N, teacher_hidden_NH=part["teacher_hidden"], teacher_head_VH=teacher_head_VH)
+
+
+def _one_pass(recipe: Recipe, host: ModelHost, rollout: Rollout, teacher: dict[str, torch.Tensor],
+              chunk_size: int, reporter: Reporter) -> tuple[dict[str, torch.Tensor], LossStats, int]:
+    spec = LossSpec(recipe.loss.mode, recipe.loss.divergence, recipe.loss.jsd_beta)
+    student = host.student()
+    params = adapter_parameters(student)
+    for p in params.values():
+        p.grad = None
+    teacher_head = decoder_and_head(host.teacher())[1] if spec.mode == "exact" else None
+    body, head_VH = decoder_and_head(student)
+    total_positions = sum(len(t.sampling_logprobs) for t in rollout.trajectories)
+    totals = LossStats(0.0, 0.0, 0, 0)
+    offset = 0
+    batches = micro_batches(rollout.trajectories, recipe.train.trajectory_batch_size)
+    with reporter.bar(f"cycle {rollout.cycle} gradient (chunk {chunk_size})", len(batches), "micro-batches") as advance:
+        for batch in batches:
+            with torch.enable_grad():
+                hidden_NH, tokens_N = predicting_hidden(body, batch, host.tokenizer.pad_token_id, host.device)
+                n = hidden_NH.shape[0]
+                targets = _targets(spec.mode, tokens_N, teacher, offset, offset + n, teacher_head, host.device)
+                stats = chunked_loss_backward(hidden_NH, head_VH, targets, spec, chunk_size,
+                                              float(max(total_positions, 1)), host.vocab_limit, oom_guard)
+            offset += n
+            totals = LossStats(totals.loss_sum + stats.loss_sum, totals.kl_sum + stats.kl_sum,
+                               totals.positions + stats.positions, totals.chunks + stats.chunks)
+            advance(1)
+    grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu().clone()
+             for name, p in params.items()}
+    for p in params.values():
+        p.grad = None
+    return grads, totals, len(batches)
+
+
+def run(recipe: Recipe, host: ModelHost, rollout: Rollout, teacher: dict[str, torch.Tensor],
+        adapter: dict[str, torch.Tensor], reporter: Reporter, on_retry=None):
+    """Returns (grads, stats, micro_batches, chunk_size used, attempts)."""
+    host.student(adapter)
+    host.student().train()
+    chunk_size = recipe.loss.chunk_size
+    attempts: list[ChunkAttempt] = []
+    try:
+        while True:
+            try:
+                grads, stats, n_micro = _one_pass(recipe, host, rollout, teacher, chunk_size, reporter)
+                attempts.append(ChunkAttempt(chunk_size, True, None))
+                return grads, stats, n_micro, chunk_size, attempts
+            except torch.OutOfMemoryError as exc:
+                attempts.append(ChunkAttempt(chunk_size, False, str(exc).splitlines()[0][:200]))
+                for p in adapter_parameters(host.student()).values():
+                    p.grad = None
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                smaller = chunk_size // 2
+                if smaller < recipe.memory.min_chunk_size:
+                    raise StageFailed(
+                        f"gradient stage ran out of memory at loss.chunk_size {chunk_size} and may not go below "
+                        f"memory.min_chunk_size {recipe.memory.min_chunk_size}; see the OOM guide in the README"
+                    ) from None
+                if on_retry is not None:
+                    on_retry(chunk_size, smaller, attempts[-1].error)
+                chunk_size = smaller
+    finally:
+        host.student().eval()

@@ -1,0 +1,73 @@
+"""Preflight: resolve every `auto`, record provenance, pair-check the models.
+
+Refuses (with a one-line `UserError`) before any training when the student
+and teacher tokenizers are not byte-identical or their output vocabularies do
+not cover the tokenizer. Also draws the initial LoRA adapter (policy
+checkpoint 0) from the run seed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miniverl.engine.artifacts import ModelIdentity, Preflight, Resolution, TokenizerVerdict
+from miniverl.engine.device import environment, resolve_all
+from miniverl.engine.model_host import ModelHost
+from miniverl.engine.models import check_pairing, file_sha256, read_config, require_pairing
+from miniverl.engine.recipe import Recipe, recipe_to_builtins
+from miniverl.engine.task import make_tasks
+
+
+def _identity(role: str, spec, model_dir, model: torch.nn.Module | None) -> ModelIdentity:
+    config = read_config(model_dir)
+    return ModelIdentity(
+        role=role,
+        id=spec.id,
+        revision=spec.revision,
+        local_dir=str(model_dir),
+        config_sha256=file_sha256(model_dir / "config.json"),
+        architecture=",".join(config.get("architectures", ["unknown"])),
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=int(config["hidden_size"]),
+        num_parameters=sum(p.numel() for p in model.parameters()) if model is not None else 0,
+    )
+
+
+def run(recipe: Recipe, host: ModelHost, load_weights: bool = True) -> tuple[Preflight, dict[str, torch.Tensor]]:
+    resolved = resolve_all(recipe)
+    pairing = check_pairing(host.student_dir, host.teacher_dir, host.vocab_limit)
+    require_pairing(pairing)
+    adapter = host.initial_adapter() if load_weights else {}
+    student = host.student() if load_weights else None
+    teacher = host.teacher() if load_weights else None
+    heldout = make_tasks("heldout", recipe.task.heldout_size, recipe.task.heldout_seed, recipe.task.operand_max)
+    preflight = Preflight(
+        recipe=recipe_to_builtins(recipe),
+        resolved={key: Resolution(r.value, r.reason) for key, r in resolved.items()},
+        environment=environment(),
+        models=[
+            _identity("student", recipe.models.student, host.student_dir, student),
+            _identity("teacher", recipe.models.teacher, host.teacher_dir, teacher),
+        ],
+        tokenizer=TokenizerVerdict(
+            compatible=pairing.compatible,
+            student_sha256=pairing.student_sha256,
+            teacher_sha256=pairing.teacher_sha256,
+            tokenizer_size=pairing.tokenizer_size,
+            student_vocab_rows=pairing.student_rows,
+            teacher_vocab_rows=pairing.teacher_rows,
+            padded_rows=max(pairing.student_rows, pairing.teacher_rows) - pairing.tokenizer_size,
+            reason=pairing.reason,
+        ),
+        adapter={
+            "kind": "lora",
+            "r": recipe.models.student.lora.r,
+            "alpha": recipe.models.student.lora.alpha,
+            "target_modules": list(recipe.models.student.lora.target_modules),
+            "trainable_parameters": sum(t.numel() for t in adapter.values()),
+            "base_id": recipe.models.student.id,
+            "base_revision": recipe.models.student.revision,
+        },
+        heldout_task_ids=[t.task_id for t in heldout],
+    )
+    return preflight, adapter

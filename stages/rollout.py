@@ -1,0 +1,53 @@
+"""Rollout: the student samples this cycle's trajectories in the tool loop."""
+
+from __future__ import annotations
+
+import torch
+
+from miniverl.engine.artifacts import Rollout, Trajectory
+from miniverl.engine.model_host import ModelHost
+from miniverl.engine.progress import Reporter
+from miniverl.engine.recipe import Recipe
+from miniverl.engine.rollout_engine import Budget, SamplingPolicy, run_episodes
+from miniverl.engine.seeding import derive_seed, generator
+from miniverl.engine.task import make_tasks
+
+
+def cycle_tasks(recipe: Recipe, cycle: int):
+    """Training prompts of one cycle: a fresh draw from the train split."""
+    seed = derive_seed(recipe.task.train_seed, cycle, "prompts")
+    return make_tasks("train", recipe.train.rollouts_per_cycle, seed, recipe.task.operand_max)
+
+
+def run(recipe: Recipe, host: ModelHost, adapter: dict[str, torch.Tensor], adapter_sha256: str,
+        cycle: int, reporter: Reporter) -> Rollout:
+    model = host.student(adapter)
+    tasks = cycle_tasks(recipe, cycle)
+    r = recipe.rollout
+    policy = SamplingPolicy(greedy=False, temperature=r.temperature, top_p=r.top_p)
+    budget = Budget(r.max_turns, r.max_new_tokens_per_turn, r.max_total_tokens)
+    gen = generator(recipe.seed, cycle, "rollout", device=host.device)
+    with reporter.bar(f"cycle {cycle} rollout", len(tasks), "trajectories") as advance:
+        done = [0]
+
+        def on_batch(n: int) -> None:
+            advance(n - done[0])
+            done[0] = n
+
+        episodes = run_episodes(model, host.tokenizer, tasks, policy, budget, gen, host.vocab_limit,
+                                host.device, r.generation_batch_size, on_batch)
+    trajectories = []
+    for ep in episodes:
+        verdict = ep.verdict()
+        trajectories.append(Trajectory(
+            task_id=ep.task.task_id, question=ep.task.question, expression=ep.task.expression,
+            answer=ep.task.answer, token_ids=ep.token_ids, provenance=ep.provenance,
+            sampling_logprobs=ep.sampling_logprobs, turns=ep.turns,
+            tool_results=[text for text, _ in ep.tool_results], tool_ok=[ok for _, ok in ep.tool_results],
+            finish_reason=ep.finish_reason, tool_called=verdict.tool_called,
+            format_valid=verdict.format_valid, strict_success=verdict.strict_success,
+        ))
+    return Rollout(
+        cycle=cycle, policy_adapter_sha256=adapter_sha256, temperature=r.temperature, top_p=r.top_p,
+        trajectories=trajectories, generated_tokens=sum(len(t.sampling_logprobs) for t in trajectories),
+    )

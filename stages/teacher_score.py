@@ -1,0 +1,46 @@
+"""Teacher-score: the teacher's targets at the model-generated positions only.
+
+What is stored depends on the loss mode: `sampled_kl` keeps the teacher's
+log-prob of each sampled token, `topk_tail` its top-k ids and log-probs, and
+`exact` its final hidden states (the gradient stage applies the teacher's LM
+head chunk by chunk, so the [T, V] teacher logits never exist at once).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miniverl.engine.artifacts import Rollout
+from miniverl.engine.losses import teacher_topk, token_logprobs
+from miniverl.engine.model_host import ModelHost
+from miniverl.engine.models import decoder_and_head
+from miniverl.engine.progress import Reporter
+from miniverl.engine.recipe import Recipe
+from miniverl.engine.sequences import micro_batches, predicting_hidden
+
+
+@torch.no_grad()
+def run(recipe: Recipe, host: ModelHost, rollout: Rollout, reporter: Reporter) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """Per-trajectory position counts and the target tensors, rows in trajectory order."""
+    body, head_VH = decoder_and_head(host.teacher())
+    mode, chunk = recipe.loss.mode, recipe.loss.chunk_size
+    pad_id = host.tokenizer.pad_token_id
+    outputs: dict[str, list[torch.Tensor]] = {}
+    batches = micro_batches(rollout.trajectories, recipe.train.trajectory_batch_size)
+    with reporter.bar(f"cycle {rollout.cycle} teacher-score", len(rollout.trajectories), "trajectories") as advance:
+        for batch in batches:
+            hidden_NH, tokens_N = predicting_hidden(body, batch, pad_id, host.device)
+            if mode == "exact":
+                outputs.setdefault("teacher_hidden", []).append(hidden_NH.cpu())
+            for start in range(0, hidden_NH.shape[0] if mode != "exact" else 0, chunk):
+                logits_CV = hidden_NH[start : start + chunk].float() @ head_VH.float().T
+                if mode == "sampled_kl":
+                    lp = token_logprobs(logits_CV, tokens_N[start : start + chunk], host.vocab_limit)
+                    outputs.setdefault("teacher_logprobs", []).append(lp.cpu())
+                elif mode == "topk_tail":
+                    ids, lps = teacher_topk(logits_CV, recipe.loss.topk, host.vocab_limit)
+                    outputs.setdefault("topk_ids", []).append(ids.cpu())
+                    outputs.setdefault("topk_logprobs", []).append(lps.cpu())
+            advance(len(batch))
+    positions = [len(t.sampling_logprobs) for t in rollout.trajectories]
+    return positions, {name: torch.cat(parts) for name, parts in outputs.items()}

@@ -1,0 +1,44 @@
+"""Verify: the strict held-out verifier, greedy decoding on the held-out split."""
+
+from __future__ import annotations
+
+import torch
+
+from miniverl.engine.artifacts import VerifyItem, VerifyReport
+from miniverl.engine.model_host import ModelHost
+from miniverl.engine.progress import Reporter
+from miniverl.engine.recipe import Recipe
+from miniverl.engine.rollout_engine import Budget, SamplingPolicy, run_episodes
+from miniverl.engine.task import make_tasks
+
+
+def run(recipe: Recipe, host: ModelHost, adapter: dict[str, torch.Tensor], adapter_sha256: str,
+        label: str, reporter: Reporter) -> VerifyReport:
+    model = host.student(adapter)
+    tasks = make_tasks("heldout", recipe.task.heldout_size, recipe.task.heldout_seed, recipe.task.operand_max)
+    budget = Budget(recipe.rollout.max_turns, recipe.verify.max_new_tokens_per_turn, recipe.rollout.max_total_tokens)
+    with reporter.bar(f"verify ({label})", len(tasks), "tasks") as advance:
+        done = [0]
+
+        def on_batch(n: int) -> None:
+            advance(n - done[0])
+            done[0] = n
+
+        episodes = run_episodes(model, host.tokenizer, tasks, SamplingPolicy(greedy=True), budget, None,
+                                host.vocab_limit, host.device, recipe.verify.batch_size, on_batch)
+    items = []
+    for ep in episodes:
+        v = ep.verdict()
+        items.append(VerifyItem(
+            task_id=ep.task.task_id, question=ep.task.question, turns=ep.turns, tool_called=v.tool_called,
+            format_valid=v.format_valid, expression_valid=v.expression_valid, result_used=v.result_used,
+            correct=v.correct, strict_success=v.strict_success,
+        ))
+    n = len(items)
+    return VerifyReport(
+        label=label, policy_adapter_sha256=adapter_sha256, tasks=n,
+        tool_call_rate=sum(i.tool_called for i in items) / n,
+        format_validity=sum(i.format_valid for i in items) / n,
+        strict_success=sum(i.strict_success for i in items) / n,
+        items=items,
+    )
