@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from .errors import MiniverlError
+from .faults import disk_fault, kill_point
 
 
 class DiskWriteError(MiniverlError, OSError):
@@ -46,9 +47,11 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as handle:
+            disk_fault(path.name)
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
+        kill_point(f"write:{path.name}")  # the new bytes are on disk, not yet in place
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except OSError as exc:

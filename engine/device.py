@@ -77,13 +77,17 @@ def resolve_optimizer(requested: str, device: str) -> Resolved:
     return Resolved("adamw", "auto: plain AdamW on CPU")
 
 
-def resolve_all(recipe: Recipe) -> dict[str, Resolved]:
-    device = resolve_device(recipe.models.device)
-    quantized = recipe.models.student.quantization == "nf4"
-    if quantized and device.value == "cpu":
+def check_quantization(quantization: str, device: str) -> None:
+    if quantization == "nf4" and device == "cpu":
         raise RecipeError(
             "recipe key models.student.quantization: nf4 needs a CUDA device here; use quantization: none on CPU"
         )
+
+
+def resolve_all(recipe: Recipe) -> dict[str, Resolved]:
+    device = resolve_device(recipe.models.device)
+    quantized = recipe.models.student.quantization == "nf4"
+    check_quantization(recipe.models.student.quantization, device.value)
     return {
         "device": device,
         "dtype": resolve_dtype(recipe.dtype, device.value),
@@ -103,7 +107,7 @@ def _version(package: str) -> str:
         return "not installed"
 
 
-def _driver_version() -> str:
+def driver_version() -> str:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -129,7 +133,7 @@ def environment() -> dict[str, str]:
         env["gpu"] = props.name
         env["gpu_memory_gib"] = f"{props.total_memory / 2**30:.2f}"
         env["compute_capability"] = f"{props.major}.{props.minor}"
-        env["driver"] = _driver_version()
+        env["driver"] = driver_version()
     return env
 
 

@@ -4,11 +4,15 @@ Set by environment variables so a test can drive a real `miniverl` subprocess:
 - MINIVERL_FAULT_OOM_ABOVE=N: a loss chunk whose logits exceed N elements
   raises the real `torch.OutOfMemoryError`, as a GPU that cannot fit it would.
 - MINIVERL_FAULT_KILL_AT=NAME[#K]: the process SIGKILLs itself the K-th time
-  (default first) it reaches the kill point NAME.
+  (default first) it reaches the kill point NAME. Writes are kill points too:
+  `write:FILE` fires after FILE's new bytes are fsynced, before the rename.
+- MINIVERL_FAULT_ENOSPC_AT=FILE[#K]: the K-th write of FILE fails with the
+  real ENOSPC OSError, as a full disk would.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
@@ -23,13 +27,24 @@ def oom_guard(elements: int) -> None:
         raise torch.OutOfMemoryError(f"injected: {elements} logit elements exceed the cap of {limit}")
 
 
-def kill_point(name: str) -> None:
-    target = os.environ.get("MINIVERL_FAULT_KILL_AT")
+def _nth_hit(variable: str, name: str) -> bool:
+    """True the K-th time `name` is reached, where $variable is NAME[#K]."""
+    target = os.environ.get(variable)
     if not target:
-        return
+        return False
     point, _, nth = target.partition("#")
     if point != name:
-        return
-    _hits[name] = _hits.get(name, 0) + 1
-    if _hits[name] == int(nth or 1):
+        return False
+    key = f"{variable}/{name}"
+    _hits[key] = _hits.get(key, 0) + 1
+    return _hits[key] == int(nth or 1)
+
+
+def kill_point(name: str) -> None:
+    if _nth_hit("MINIVERL_FAULT_KILL_AT", name):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def disk_fault(name: str) -> None:
+    if _nth_hit("MINIVERL_FAULT_ENOSPC_AT", name):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

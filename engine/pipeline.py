@@ -99,11 +99,13 @@ class Pipeline:
         try:
             with peak.track():
                 outputs = getattr(self, f"_stage_{key.name}")(key)
-        except (MiniverlError, torch.OutOfMemoryError, OSError, RuntimeError, ValueError) as exc:
+        except Exception as exc:
             record.state, record.error = "failed", f"{type(exc).__name__}: {exc}"
-            self.run.write_journal(self.journal)
-            self.run.event("stage_failed", stage=key.id, error=record.error)
-            raise
+            self._record_failure(key, exc)
+            if isinstance(exc, MiniverlError):
+                raise
+            raise StageFailed(f"stage {key.id} failed ({record.error.splitlines()[0][:300]}); details in "
+                              f"{self.run.root / 'errors.log'}; fix the cause, then `miniverl resume {self.run.root.name}`") from exc
         kill_point(f"{key.id}:before-journal")
         record.state, record.outputs = "done", outputs
         record.seconds, record.peak_memory_bytes = time.perf_counter() - started, peak.allocated
@@ -112,6 +114,19 @@ class Pipeline:
         self.run.write_journal(self.journal)
         self.run.event("stage_end", stage=key.id, seconds=round(record.seconds, 3),
                        peak_memory_bytes=peak.allocated, peak_reserved_bytes=peak.reserved)
+
+    def _record_failure(self, key: StageKey, exc: Exception) -> None:
+        """Best effort: the journal and a traceback log; a full disk may refuse both."""
+        import traceback
+
+        try:
+            self.run.write_journal(self.journal)
+            self.run.event("stage_failed", stage=key.id, error=str(exc)[:500])
+            with open(self.run.root / "errors.log", "a", encoding="utf-8") as log:
+                log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {key.id}\n")
+                log.write("".join(traceback.format_exception(exc)))
+        except OSError:
+            pass
 
     def _invalidate_after(self, key: StageKey) -> None:
         """A recomputed stage produced different bytes: later stages must rerun."""

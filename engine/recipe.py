@@ -120,6 +120,12 @@ class VerifySpec(_Strict):
     min_tool_call_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
 
 
+class ReportSpec(_Strict):
+    """What `miniverl report` writes besides its HTML page (nothing here changes training)."""
+
+    tensorboard: bool = False  # also write TensorBoard scalars (needs the `tensorboard` package)
+
+
 class Recipe(_Strict, kw_only=True):
     name: str
     seed: NonNegative = 0
@@ -132,6 +138,7 @@ class Recipe(_Strict, kw_only=True):
     memory: MemorySpec = msgspec.field(default_factory=MemorySpec)
     task: TaskSpec = msgspec.field(default_factory=TaskSpec)
     verify: VerifySpec = msgspec.field(default_factory=VerifySpec)
+    report: ReportSpec = msgspec.field(default_factory=ReportSpec)
 
 
 _PATH_RE = re.compile(r"\s*-\s*at\s*`\$(?P<path>[^`]*)`\s*$")
@@ -156,27 +163,35 @@ def _recipe_error(exc: msgspec.ValidationError) -> RecipeError:
     return RecipeError(f"recipe key {path}: {problem.strip()}")
 
 
-def _check_consistency(recipe: Recipe) -> None:
-    """Rules that span several keys."""
+def consistency_problems(recipe: Recipe) -> list[str]:
+    """Rules that span several keys, one 'recipe key ...' line per broken rule."""
+    problems = []
     if recipe.memory.min_chunk_size > recipe.loss.chunk_size:
-        raise RecipeError(
+        problems.append(
             f"recipe key memory.min_chunk_size: {recipe.memory.min_chunk_size} is above loss.chunk_size "
             f"{recipe.loss.chunk_size}; set it to at most the chunk size"
         )
     if recipe.rollout.max_new_tokens_per_turn > recipe.rollout.max_total_tokens:
-        raise RecipeError("recipe key rollout.max_new_tokens_per_turn: exceeds rollout.max_total_tokens")
+        problems.append("recipe key rollout.max_new_tokens_per_turn: exceeds rollout.max_total_tokens")
     runtime = recipe.models.runtime
     if runtime == "shared_backbone":
         student, teacher = recipe.models.student, recipe.models.teacher
         if (student.id, student.revision) != (teacher.id, teacher.revision):
-            raise RecipeError(
+            problems.append(
                 "recipe key models.runtime: shared_backbone needs student and teacher to name the same base "
                 f"(got {student.id}@{student.revision} and {teacher.id}@{teacher.revision}); use dual_model"
             )
         if teacher.adapter is None:
-            raise RecipeError("recipe key models.teacher.adapter: shared_backbone needs a frozen teacher adapter")
+            problems.append("recipe key models.teacher.adapter: shared_backbone needs a frozen teacher adapter")
     if recipe.loss.mode == "topk_tail" and recipe.loss.topk < 2:
-        raise RecipeError("recipe key loss.topk: topk_tail needs at least 2 teacher tokens")
+        problems.append("recipe key loss.topk: topk_tail needs at least 2 teacher tokens")
+    return problems
+
+
+def _check_consistency(recipe: Recipe) -> None:
+    problems = consistency_problems(recipe)
+    if problems:
+        raise RecipeError(problems[0])
 
 
 class _RecipeLoader(yaml.SafeLoader):
@@ -190,7 +205,8 @@ _RecipeLoader.add_implicit_resolver(
 )
 
 
-def parse_recipe(text: str, source: str = "recipe") -> Recipe:
+def load_recipe_data(text: str, source: str = "recipe") -> dict:
+    """The recipe's YAML as plain data, before any schema check."""
     try:
         data = yaml.load(text, Loader=_RecipeLoader)  # a SafeLoader: no Python objects
     except yaml.YAMLError as exc:
@@ -199,6 +215,11 @@ def parse_recipe(text: str, source: str = "recipe") -> Recipe:
         raise RecipeError(f"{source}: not valid YAML{where}; fix the syntax") from None
     if not isinstance(data, dict):
         raise RecipeError(f"{source}: a recipe is a YAML mapping of keys (name, models, train, ...)")
+    return data
+
+
+def parse_recipe(text: str, source: str = "recipe") -> Recipe:
+    data = load_recipe_data(text, source)
     try:
         recipe = msgspec.convert(data, Recipe, strict=True)
     except msgspec.ValidationError as exc:
@@ -207,14 +228,18 @@ def parse_recipe(text: str, source: str = "recipe") -> Recipe:
     return recipe
 
 
-def load_recipe(path: Path) -> tuple[Recipe, str]:
-    """The decoded recipe and its exact text (kept verbatim in the run)."""
+def read_recipe_text(path: Path) -> str:
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise RecipeError(f"recipe file {path} does not exist; pass the path of a YAML recipe") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError(f"recipe file {path} cannot be read: {exc}") from None
+
+
+def load_recipe(path: Path) -> tuple[Recipe, str]:
+    """The decoded recipe and its exact text (kept verbatim in the run)."""
+    text = read_recipe_text(path)
     return parse_recipe(text, source=str(path)), text
 
 

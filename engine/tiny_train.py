@@ -294,6 +294,8 @@ def run_episodes(
     `forced_prefix` (a diagnostic) is written at the start of the first turn
     as if the model had produced it. When a turn holds several calls, every
     call is answered and the results are fed back on separate lines.
+    Each record also holds the episode's `token_ids` and a `generated_mask`
+    (1 on tokens the model sampled).
     """
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     generator = torch.Generator().manual_seed(seed)
@@ -302,6 +304,8 @@ def run_episodes(
     for start in range(0, len(tasks), batch_size):
         chunk = tasks[start : start + batch_size]
         contexts = [encode(tokenizer, render_prompt(tokenizer, t)) + prefix_ids for t in chunk]
+        # 1 where the model produced the token (a forced prefix counts as context).
+        generated_masks = [[0] * len(c) for c in contexts]
         turns: list[list[str]] = [[] for _ in chunk]
         results: list[list[tuple[str, bool]]] = [[] for _ in chunk]
         finished = [False] * len(chunk)
@@ -323,6 +327,8 @@ def run_episodes(
                 head = prefix_ids if turn_index == 0 else []
                 text = tokenizer.decode(head + gen, skip_special_tokens=False)
                 turns[i].append(text)
+                contexts[i] = contexts[i] + gen
+                generated_masks[i] += [1] * len(gen)
                 if not gen or gen[-1] != eos_id:
                     continue  # cut at max_new_tokens: the episode is unfinished
                 calls = parse_tool_calls(text)
@@ -332,11 +338,23 @@ def run_episodes(
                 responses = [tool_response(call) for call in calls]
                 results[i] += responses
                 feedback = TOOL_RESPONSE_TEMPLATE.format(result="\n".join(r for r, _ in responses))
-                contexts[i] = contexts[i] + gen + encode(tokenizer, feedback)
+                feedback_ids = encode(tokenizer, feedback)
+                contexts[i] = contexts[i] + feedback_ids
+                generated_masks[i] += [0] * len(feedback_ids)
                 still_active.append(i)
             active = still_active
-        for task, t, r, f in zip(chunk, turns, results, finished):
-            records.append({"task": task, "turns": t, "tool_results": r, "finished": f, "verdict": judge(task, t, r, f)})
+        for task, t, r, f, ids, gmask in zip(chunk, turns, results, finished, contexts, generated_masks):
+            records.append(
+                {
+                    "task": task,
+                    "turns": t,
+                    "tool_results": r,
+                    "finished": f,
+                    "verdict": judge(task, t, r, f),
+                    "token_ids": ids,
+                    "generated_mask": gmask,
+                }
+            )
     return records
 
 

