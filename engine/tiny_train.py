@@ -14,18 +14,21 @@ What is trained (see `tiny_models` for the configs):
 - ``student_base`` is built in two phases, like an instruct model that learned
   to ignore its tools. Phase 1 pretrains it on protocol traces, so it holds
   the copying circuits (expression -> tool call, tool result -> answer) and
-  knows the tool-call format. Phase 2 fine-tunes it, briefly, on direct-answer
-  traces only, until it never opens a tool call (0% greedy, ~0% sampled at
-  temperature 1). Phase 2 is kept just long enough to make that robust: the
-  decision to call the tool is suppressed at the first assistant token, while
-  the rest of the protocol stays in the weights (when the first turn is forced
-  to start with ``<tool_call>``, the base student still completes the call and
-  copies the result). That is what makes on-policy distillation from the
-  protocol teacher work with a small LoRA adapter in a few dozen steps: the
-  teacher's per-token KL only has to move the decision, not teach a skill
-  from nothing. A student that never saw the protocol could not be taught it
-  by a rank-8 adapter in that budget, and a student that already called the
-  tool would make the distillation trivial.
+  knows the tool-call format. Phase 2 (``ignore_tools``) fine-tunes it,
+  briefly, on direct-answer traces, interleaved with protocol traces whose
+  first assistant token (the ``<tool_call>`` decision) is left out of the
+  loss, until it never opens a tool call (0% greedy, 0/200 sampled at
+  temperature 1; P(<tool_call> first) ~2e-4). So the decision to call the
+  tool is suppressed at the first assistant token while the rest of the
+  protocol stays trained: forced to start its first turn with
+  ``<tool_call>``, the base student still completes the call and copies the
+  result. (Direct-answer traces alone also reach 0% tool calls, but even at a
+  low learning rate they wreck the forced continuation, which then turns into
+  "The answer is ..." after ``<tool_call>``.) That is what makes on-policy
+  distillation from the protocol teacher work with a rank-8 LoRA adapter in a
+  few dozen steps: the teacher's per-token KL only has to move the decision,
+  not teach a skill from nothing; a student that already called the tool
+  would make the distillation trivial.
 
 Training is plain torch: AdamW, float32, masked next-token cross-entropy on
 the model-generated tokens only (assistant turns, each with its closing
@@ -37,8 +40,9 @@ are on; results are reproducible on the same machine and thread count.
 Training tasks come from ``make_tasks("train", ...)`` only; evaluation uses
 ``make_tasks("heldout", ...)``, which no training expression can be in.
 
-`evaluate` runs the real multi-turn loop (greedy or sampled) and judges each
-trajectory with `task.judge`; the tests reuse it.
+`run_episodes` runs the real multi-turn loop (greedy or sampled) and judges each
+trajectory with `task.judge`; `evaluate_greedy` (reused by the tests) and
+`evaluate_sampled` summarise it.
 """
 
 from __future__ import annotations
@@ -103,13 +107,13 @@ class Phase:
 # One recipe per shipped model. Phase task seeds differ so the student's
 # phases see different training expressions.
 RECIPES: dict[str, dict[str, Any]] = {
-    "protocol_teacher": {"seed": 11, "phases": [Phase("protocol", steps=900, lr=2e-3)]},
+    "protocol_teacher": {"seed": 11, "phases": [Phase("protocol", steps=500, lr=2e-3)]},
     "raw_teacher": {"seed": 12, "phases": [Phase("direct", steps=300, lr=2e-3)]},
     "student_base": {
         "seed": 13,
         "phases": [
-            Phase("protocol", steps=900, lr=2e-3, task_seed=TRAIN_TASK_SEED + 1),
-            Phase("direct", steps=150, lr=5e-4, warmup=10, task_seed=TRAIN_TASK_SEED + 2),
+            Phase("protocol", steps=600, lr=2e-3, task_seed=TRAIN_TASK_SEED + 1),
+            Phase("ignore_tools", steps=150, lr=5e-4, warmup=10, task_seed=TRAIN_TASK_SEED + 2),
         ],
     },
 }
@@ -138,6 +142,12 @@ def encode_trace(tokenizer: Any, task: CalcTask, trace: str) -> tuple[list[int],
         ]
     elif trace == "direct":
         segments = [(render_prompt(tokenizer, task), 0), (answer, 1)]
+    elif trace == "protocol_continuation":
+        # The protocol after its first token: the decision to call the tool is
+        # not trained, everything that follows it is.
+        ids, mask = encode_trace(tokenizer, task, "protocol")
+        first = mask.index(1)
+        return ids, mask[:first] + [0] + mask[first + 1 :]
     else:
         raise ValueError(f"unknown trace kind {trace!r}")
     ids: list[int] = []
@@ -181,9 +191,21 @@ def lr_at(step: int, phase: Phase) -> float:
     return phase.lr * (phase.min_lr_ratio + (1 - phase.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def trace_kind(phase_trace: str, index: int) -> str:
+    """`ignore_tools` alternates direct answers with protocol continuations.
+
+    The model learns to answer without opening a tool call, while what follows
+    an opened call stays trained: an instruct model that ignores its tools but
+    still knows how to use them.
+    """
+    if phase_trace != "ignore_tools":
+        return phase_trace
+    return "direct" if index % 2 == 0 else "protocol_continuation"
+
+
 def train_phase(model: Any, tokenizer: Any, phase: Phase, seed: int, log_every: int = 50) -> list[float]:
     tasks = make_tasks("train", phase.steps * phase.batch_size, seed=phase.task_seed)
-    examples = [encode_trace(tokenizer, task, phase.trace) for task in tasks]
+    examples = [encode_trace(tokenizer, task, trace_kind(phase.trace, i)) for i, task in enumerate(tasks)]
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed))
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
