@@ -251,6 +251,19 @@ def _validate(hidden_NH: Tensor, head_VH: Tensor, targets: PositionTargets, spec
             raise ValueError(f"teacher head has {tw.shape[0]} rows, fewer than vocab_limit {vocab_limit}")
 
 
+def _chunk_logits(h_CH: Tensor, w_VH: Tensor) -> Tensor:
+    """[C, V] logits for the loss: bf16/fp16 heads multiply in their dtype, then upcast to float32
+    (a float32 copy of a bf16 Qwen3 head would be 0.6-1.2 GiB); a float32 head (CPU) gets float64.
+
+    float32 matmuls round differently for different chunk and micro-batch shapes,
+    and sampled_kl's (log p_s - log p_t) coefficient turns that into ~1e-6
+    relative gradient noise; float64 keeps the objective independent of the cut.
+    """
+    if w_VH.dtype == torch.float32:
+        return h_CH.double() @ w_VH.double().T
+    return (h_CH.to(w_VH.dtype) @ w_VH.T).float()
+
+
 def chunked_loss_backward(hidden_NH: Tensor, head_VH: Tensor, targets: PositionTargets, spec: LossSpec,
                           chunk_size: int, normalizer: float, vocab_limit: int,
                           memory_guard: Callable[[int], None] | None = None) -> LossStats:
@@ -269,15 +282,17 @@ def chunked_loss_backward(hidden_NH: Tensor, head_VH: Tensor, targets: PositionT
 
     # Detached leaves: each chunk's backward stops here instead of re-walking
     # (and freeing) the model graph; the model backward runs once at the end.
-    # Upcast the head once, not per chunk; for a float32 head this is a view.
-    w_VH = head_VH.detach()[:vocab_limit].float().requires_grad_(want_head)
+    # The heads stay in their own dtype (views, no copies: a float32 copy of a
+    # bf16 Qwen3 head is 0.6-1.2 GiB); only each chunk's logits are upcast.
+    w_VH = head_VH.detach()[:vocab_limit].requires_grad_(want_head)
     grad_h_NH = torch.zeros_like(hidden_NH) if want_hidden else None
-    grad_w_VH = torch.zeros_like(w_VH) if want_head else None  # float32: sums over all chunks
+    grad_w_VH = torch.zeros_like(w_VH, dtype=torch.float32) if want_head else None  # sums over all chunks
 
     teacher_w_VH = None
     if spec.mode == "exact":
-        teacher_w_VH = targets.teacher_head_VH.detach()[:vocab_limit].float()
+        teacher_w_VH = targets.teacher_head_VH.detach()[:vocab_limit]
 
+    loss_dtype = torch.float64 if head_VH.dtype == torch.float32 else torch.float32
     loss_total = torch.zeros((), dtype=torch.float64, device=hidden_NH.device)
     kl_total = torch.zeros((), dtype=torch.float64, device=hidden_NH.device)
     chunks = 0
@@ -295,16 +310,17 @@ def chunked_loss_backward(hidden_NH: Tensor, head_VH: Tensor, targets: PositionT
             with torch.no_grad():
                 if memory_guard is not None:
                     memory_guard(c * vocab_limit)
-                teacher_logits_CV = targets.teacher_hidden_NH[lo:hi].float() @ teacher_w_VH.T
+                teacher_h_CH = targets.teacher_hidden_NH[lo:hi].to(teacher_w_VH.dtype)
+                teacher_logits_CV = _chunk_logits(teacher_h_CH, teacher_w_VH)
                 teacher_logp_CV = torch.log_softmax(teacher_logits_CV, dim=-1)
                 del teacher_logits_CV
 
         with torch.enable_grad() if need_grad else torch.no_grad():
             if memory_guard is not None:
                 memory_guard(c * vocab_limit)
-            logits_CV = h_CH.float() @ w_VH.T
+            logits_CV = _chunk_logits(h_CH, w_VH)
             if spec.mode == "sampled_kl":
-                teacher_lp_C = targets.teacher_logprobs_N[lo:hi].float()
+                teacher_lp_C = targets.teacher_logprobs_N[lo:hi].to(loss_dtype)
                 loss_C, kl_C = _sampled_kl(logits_CV, tokens_C, teacher_lp_C)
             elif spec.mode == "topk_tail":
                 ids_CK = targets.topk_ids_NK[lo:hi].long()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .atomic_io import write_bytes_atomic
 from .device import resolve_all
-from .errors import RunStateError, UserError
+from .errors import ArtifactError, RunStateError, UserError
 from .model_host import ModelHost
 from .models import check_pairing, require_pairing
 from .pipeline import STAGE_NAMES, Pipeline, StageKey, plan
@@ -44,19 +44,10 @@ def prepare(recipe: Recipe) -> ModelHost:
 
 
 def dry_run(recipe_path: Path) -> dict:
-    recipe, _ = load_recipe(recipe_path)
-    host = prepare(recipe)
-    resolved = resolve_all(recipe)
-    pairing = check_pairing(host.student_dir, host.teacher_dir, host.vocab_limit)
-    return {
-        "recipe": str(recipe_path),
-        "resolved": {k: {"value": r.value, "reason": r.reason} for k, r in resolved.items()},
-        "student": str(host.student_dir),
-        "teacher": str(host.teacher_dir),
-        "tokenizer": pairing.reason,
-        "stages": len(plan(recipe)),
-        "note": "a dry run checks identity, pairing and configuration; only a real run proves the fit",
-    }
+    """Identity, tokenizer, adapter and memory checks without loading weights (see engine.dry_run)."""
+    from .dry_run import dry_run as check
+
+    return check(recipe_path)
 
 
 def start_run(recipe_path: Path, run_id: str | None, runs_dir: Path, reporter: Reporter) -> RunDir:
@@ -118,7 +109,12 @@ def rerun_stage(run_id: str, runs_dir: Path, stage: str, cycle: int | None, labe
     quiet_libraries()
     with run.locked():
         pipeline = Pipeline(run, recipe, reporter, prepare(recipe))
-        pipeline.execute(key)
+        try:
+            pipeline.execute(key)
+        except ArtifactError as exc:
+            # `stage` reruns one stage only; recomputing the inputs is resume's job.
+            raise ArtifactError(f"{exc}: an input of {stage} is missing or corrupt; "
+                                f"`miniverl resume {run_id}` recomputes it") from None
     return run
 
 

@@ -18,7 +18,7 @@ from miniverl.engine.errors import StageFailed
 from miniverl.engine.faults import oom_guard
 from miniverl.engine.losses import LossSpec, LossStats, PositionTargets, chunked_loss_backward
 from miniverl.engine.model_host import ModelHost
-from miniverl.engine.models import adapter_parameters, decoder_and_head
+from miniverl.engine.models import adapter_parameters, decoder_and_head, set_gradient_checkpointing
 from miniverl.engine.progress import Reporter
 from miniverl.engine.recipe import Recipe
 from miniverl.engine.sequences import micro_batches, predicting_hidden
@@ -41,10 +41,11 @@ def _one_pass(recipe: Recipe, host: ModelHost, rollout: Rollout, teacher: dict[s
     params = adapter_parameters(student)
     for p in params.values():
         p.grad = None
-    teacher_head = decoder_and_head(host.teacher())[1] if spec.mode == "exact" else None
+    teacher_head = host.teacher_head() if spec.mode == "exact" else None
     body, head_VH = decoder_and_head(student)
     total_positions = sum(len(t.sampling_logprobs) for t in rollout.trajectories)
     totals = LossStats(0.0, 0.0, 0, 0)
+    summed = {name: torch.zeros_like(p, dtype=torch.float64) for name, p in params.items()}
     offset = 0
     batches = micro_batches(rollout.trajectories, recipe.train.trajectory_batch_size)
     with reporter.bar(f"cycle {rollout.cycle} gradient (chunk {chunk_size})", len(batches), "micro-batches") as advance:
@@ -56,21 +57,26 @@ def _one_pass(recipe: Recipe, host: ModelHost, rollout: Rollout, teacher: dict[s
                 stats = chunked_loss_backward(hidden_NH, head_VH, targets, spec, chunk_size,
                                               float(max(total_positions, 1)), host.vocab_limit, oom_guard)
             offset += n
+            # Sum the micro-batches' shares in float64: their float32 sum would
+            # depend on how the group is split, and so would the update.
+            for name, p in params.items():
+                if p.grad is not None:
+                    summed[name] += p.grad.double()
+                    p.grad = None
             totals = LossStats(totals.loss_sum + stats.loss_sum, totals.kl_sum + stats.kl_sum,
                                totals.positions + stats.positions, totals.chunks + stats.chunks)
             advance(1)
-    grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu().clone()
-             for name, p in params.items()}
-    for p in params.values():
-        p.grad = None
+    grads = {name: total.float().cpu() for name, total in summed.items()}
     return grads, totals, len(batches)
 
 
 def run(recipe: Recipe, host: ModelHost, rollout: Rollout, teacher: dict[str, torch.Tensor],
         adapter: dict[str, torch.Tensor], reporter: Reporter, on_retry=None):
     """Returns (grads, stats, micro_batches, chunk_size used, attempts)."""
-    host.student(adapter)
-    host.student().train()
+    student = host.student(adapter)
+    student.train()
+    if recipe.train.gradient_checkpointing:
+        set_gradient_checkpointing(student, True)
     chunk_size = recipe.loss.chunk_size
     attempts: list[ChunkAttempt] = []
     try:
@@ -95,4 +101,6 @@ def run(recipe: Recipe, host: ModelHost, rollout: Rollout, teacher: dict[str, to
                     on_retry(chunk_size, smaller, attempts[-1].error)
                 chunk_size = smaller
     finally:
-        host.student().eval()
+        if recipe.train.gradient_checkpointing:
+            set_gradient_checkpointing(student, False)
+        student.eval()

@@ -14,7 +14,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def recipe_dict(name: str = "tiny_calc.yaml", **overrides) -> dict:
+def recipe_dict(name: str = "tiny_calc.yaml", /, **overrides) -> dict:
     """A shipped recipe with dotted-key overrides, e.g. {"train.cycles": 2}."""
     data = yaml.safe_load((ROOT / "recipes" / name).read_text())
     for dotted, value in overrides.items():

@@ -62,16 +62,19 @@ def test_gradient_invariant_to_micro_batch_and_chunk(setting, mode, divergence):
 
 def test_injected_oom_halves_the_chunk_and_gives_the_same_gradient(setting, monkeypatch):
     recipe, host, adapter, trajectories = setting
-    recipe = _replace(recipe, loss={"chunk_size": 128}, memory={"min_chunk_size": 16})
+    recipe = _replace(recipe, loss={"chunk_size": 32}, memory={"min_chunk_size": 4})
     _, teacher = teacher_score.run(recipe, host, trajectories, QUIET)
     clean, *_ = gradient.run(recipe, host, trajectories, teacher, adapter, QUIET)
-    # A cap that 128 and 64 positions of logits exceed but 32 fit.
-    monkeypatch.setenv("MINIVERL_FAULT_OOM_ABOVE", str(40 * host.vocab_limit))
+    # The first micro-batch must fill a 16-position chunk for the cap below to bite twice.
+    first = trajectories.trajectories[: recipe.train.trajectory_batch_size]
+    assert sum(len(t.sampling_logprobs) for t in first) > 16
+    # A cap that 32 and 16 positions of logits exceed but 8 fit.
+    monkeypatch.setenv("MINIVERL_FAULT_OOM_ABOVE", str(10 * host.vocab_limit))
     retried = []
     grads, _, _, chunk, attempts = gradient.run(recipe, host, trajectories, teacher, adapter, QUIET,
                                                 on_retry=lambda old, new, err: retried.append((old, new)))
-    assert chunk == 32 and retried == [(128, 64), (64, 32)]
-    assert [(a.chunk_size, a.ok) for a in attempts] == [(128, False), (64, False), (32, True)]
+    assert chunk == 8 and retried == [(32, 16), (16, 8)]
+    assert [(a.chunk_size, a.ok) for a in attempts] == [(32, False), (16, False), (8, True)]
     assert "injected" in attempts[0].error
     rel = float((_flat(grads) - _flat(clean)).norm() / _flat(clean).norm())
     assert rel <= 1e-6

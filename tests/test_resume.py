@@ -6,8 +6,10 @@ import pytest
 
 from conftest import SMALL, manifest, miniverl, recipe_dict, write_recipe
 
-# One kill point inside each of the seven stages, plus the instants between a
-# stage's outputs and its journal entry and inside a checkpoint write.
+# One kill point inside each of the seven stages; the instants between a stage's
+# outputs and its journal entry; during the optimizer step; and inside the writes
+# of every kind of file (`write:NAME[#K]`: the K-th write of NAME is killed after
+# its new bytes are fsynced to the temporary file, before the rename).
 KILL_POINTS = [
     "preflight:start",
     "checkpoint0:after-adapter",
@@ -24,6 +26,20 @@ KILL_POINTS = [
     "verify@final:start",
     "manifest:start",
     "manifest:before-journal",
+    "write:resolved.json",
+    "write:preflight.msgpack",
+    "write:journal.msgpack#3",
+    "write:baseline.msgpack",
+    "write:rollout.msgpack#2",
+    "write:teacher_score.safetensors",
+    "write:teacher_score.msgpack#2",
+    "write:gradient.safetensors#2",
+    "write:gradient.msgpack",
+    "write:adapter.safetensors#2",
+    "write:optimizer.safetensors#2",
+    "write:checkpoint.msgpack#3",
+    "write:report.msgpack",
+    "write:manifest.json",
 ]
 
 METRICS = ("adapter_sha256",)
