@@ -6,6 +6,7 @@ Every `auto` resolves to a value plus the reason, which preflight records.
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import platform
 import subprocess
@@ -25,46 +26,76 @@ class Resolved:
     reason: str
 
 
+def cuda_problem() -> str | None:
+    """None when PyTorch can run a kernel on CUDA device 0; otherwise why it cannot."""
+    if not torch.cuda.is_available():
+        return "torch.cuda.is_available() is False (a CPU-only PyTorch build, or no usable driver or device)"
+    try:
+        torch.ones(1, device="cuda").add_(1).item()
+    except RuntimeError as exc:  # e.g. a GPU architecture this PyTorch build has no kernels for
+        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        return f"PyTorch sees a CUDA device but cannot run a kernel on it ({first})"
+    return None
+
+
+def _gpu_description() -> str:
+    major, minor = torch.cuda.get_device_capability(0)
+    return f"{torch.cuda.get_device_name(0)}, compute capability {major}.{minor}"
+
+
 def resolve_device(requested: str) -> Resolved:
-    usable = torch.cuda.is_available()
-    if requested == "cuda" and not usable:
-        raise RecipeError("recipe key models.device: cuda requested but PyTorch cannot use a CUDA device here; use auto or cpu")
+    """`auto`: CUDA whenever PyTorch can use it, whatever the card is called; CPU otherwise."""
     if requested == "cpu":
         return Resolved("cpu", "requested by the recipe")
-    if requested == "cuda" or usable:
-        name = torch.cuda.get_device_name(0)
+    problem = cuda_problem()
+    if problem is None:
         why = "requested by the recipe" if requested == "cuda" else "auto: PyTorch can use CUDA"
-        return Resolved("cuda", f"{why} ({name})")
-    return Resolved("cpu", "auto: no CUDA device usable by PyTorch")
+        return Resolved("cuda", f"{why} ({_gpu_description()})")
+    if requested == "cuda":
+        raise RecipeError(f"recipe key models.device: cuda requested but {problem}; use auto or cpu")
+    return Resolved("cpu", f"auto: no CUDA device usable by PyTorch: {problem}")
+
+
+def native_bf16() -> bool:
+    """bfloat16 arithmetic in hardware: compute capability 8.0 and up (PyTorch emulates it below)."""
+    major, _ = torch.cuda.get_device_capability(0)
+    return major >= 8 and torch.cuda.is_bf16_supported()
 
 
 def resolve_dtype(requested: str, device: str) -> Resolved:
+    """`auto`: bfloat16 where the GPU computes it natively, float16 otherwise (e.g. 7.0), float32 on CPU."""
     if device == "cpu":
         if requested in ("auto", "float32"):
             return Resolved("float32", "CPU computes in float32")
         raise RecipeError(f"recipe key dtype: {requested} is not supported on CPU; use auto or float32")
-    if requested != "auto":
-        if requested == "bfloat16" and not torch.cuda.is_bf16_supported():
-            raise RecipeError("recipe key dtype: this GPU has no bfloat16 path; use auto or float16")
-        return Resolved(requested, "requested by the recipe")
     major, minor = torch.cuda.get_device_capability(0)
-    if torch.cuda.is_bf16_supported() and major >= 8:
+    if requested != "auto":
+        if requested == "bfloat16" and not native_bf16():
+            raise RecipeError(f"recipe key dtype: this GPU (compute capability {major}.{minor}) has no bfloat16 "
+                              "path; use auto or float16")
+        return Resolved(requested, "requested by the recipe")
+    if native_bf16():
         return Resolved("bfloat16", f"auto: compute capability {major}.{minor} supports bfloat16")
-    return Resolved("float16", f"auto: compute capability {major}.{minor} has no bfloat16 path")
+    return Resolved("float16", f"auto: compute capability {major}.{minor} has no native bfloat16; float16 instead")
 
 
 def resolve_memory_strategy(requested: str, quantized_student: bool, device: str) -> Resolved:
-    if requested == "swap" and quantized_student:
-        raise RecipeError(
-            "recipe key memory.strategy: swap cannot move an NF4 (bitsandbytes) student between devices; use resident or auto"
-        )
-    if requested != "auto":
-        return Resolved(requested, "requested by the recipe")
+    """`swap` moves only unquantized models; an NF4 student stays resident under every strategy."""
     if device == "cpu":
-        return Resolved("resident", "auto: on CPU there is nothing to swap to")
+        return Resolved("resident", f"{requested}: on CPU every model is resident; there is nothing to swap to")
+    if requested == "swap":
+        if quantized_student:
+            return Resolved("swap", "requested by the recipe: the unquantized teacher waits in CPU memory while a "
+                                    "stage does not use it; the NF4 student stays resident (bitsandbytes modules "
+                                    "are never moved)")
+        return Resolved("swap", "requested by the recipe: a model waits in CPU memory while a stage does not use it")
+    if requested == "resident":
+        return Resolved("resident", "requested by the recipe")
     if quantized_student:
-        return Resolved("resident", "auto: a quantized student stays resident (bitsandbytes modules are never moved)")
-    return Resolved("resident", "auto: resident unless the recipe asks for swap")
+        return Resolved("resident", "auto: the student is NF4-quantized, and bitsandbytes modules are never moved "
+                                    "between devices, so both models stay resident")
+    return Resolved("resident", "auto: resident (no transfers between stages); set memory.strategy: swap to keep "
+                                "the idle model in CPU memory")
 
 
 def resolve_optimizer(requested: str, device: str) -> Resolved:
@@ -148,7 +179,15 @@ class PeakMemory:
     @contextmanager
     def track(self) -> Iterator["PeakMemory"]:
         if self.device == "cuda":
+            # What the previous stage left to the garbage collector (reference cycles
+            # holding CUDA tensors: a decoder's KV cache, a graph's pool) must not
+            # count against this stage, nor stay allocated while it runs.
+            gc.collect()
             torch.cuda.synchronize()
+            # cuBLAS keeps a workspace per (handle, stream) it has seen, also for streams
+            # a finished stage created and dropped; the next GEMM re-creates the one it needs.
+            getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         try:
             yield self

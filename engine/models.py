@@ -11,14 +11,15 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from .errors import IncompatibleModelsError, UserError
-from .recipe import BUILTIN_PREFIX, LoraSpec
+from .recipe import BUILTIN_PREFIX, LoraSpec, TeacherAdapterSpec
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets" / "tiny"
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
@@ -158,6 +159,150 @@ def adapter_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The trainable adapter parameters, in a stable (sorted) order."""
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     return dict(sorted(params.items()))
+
+
+def is_quantized(model: torch.nn.Module) -> bool:
+    """True when any weight is a bitsandbytes tensor (such modules are never moved between devices)."""
+    return any(type(p).__module__.startswith("bitsandbytes") for p in model.parameters())
+
+
+def set_gradient_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
+    """Recompute each decoder layer in the backward instead of keeping its activations.
+
+    Non-reentrant checkpointing, so the frozen (and possibly NF4) base needs no
+    inputs that require grad for the LoRA parameters inside a layer to train.
+    transformers 5.2x renamed the methods (`activation_checkpointing_*`); accept both.
+    """
+    causal = base_model(model)
+    if enabled:
+        kwargs = {"use_reentrant": False}
+        if hasattr(causal, "activation_checkpointing_enable"):
+            causal.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            causal.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return
+    if hasattr(causal, "activation_checkpointing_disable"):
+        causal.activation_checkpointing_disable()
+    else:
+        causal.gradient_checkpointing_disable()
+    # Enabling also hooked the embeddings so their output requires grad; later
+    # no-grad stages (rollout, verify) must not inherit that hook.
+    if hasattr(causal, "_require_grads_hook"):
+        causal.disable_input_require_grads()
+
+
+# --------------------------------------------------------------------------- shared_backbone: the teacher adapter
+
+TEACHER_ADAPTER = "teacher"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class TeacherAdapter:
+    """A verified teacher adapter: the directory peft loads and the provenance preflight records."""
+
+    directory: Path
+    weights: Path
+    sha256: str
+    base_id: str
+    base_revision: str | None
+
+
+def check_teacher_adapter(spec: TeacherAdapterSpec, base_id: str, base_revision: str | None) -> TeacherAdapter:
+    """The adapter must name the shared base (id + revision) and its weights file must hash to `sha256`.
+
+    `spec.path` is the adapter directory (peft's `save_pretrained` output) or
+    the weights file inside it.
+    """
+    key = "recipe key models.teacher.adapter"
+    path = Path(spec.path).expanduser()
+    weights = path if path.is_file() else path / ADAPTER_WEIGHTS
+    if not weights.is_file() or not (weights.parent / "adapter_config.json").is_file():
+        raise UserError(f"{key}.path: {path} holds no peft adapter ({ADAPTER_WEIGHTS} + adapter_config.json); "
+                        f"point it at the directory peft's save_pretrained wrote")
+    if (spec.base_id, spec.base_revision) != (base_id, base_revision):
+        raise IncompatibleModelsError(
+            f"{key}.base_id: the teacher adapter was trained on {spec.base_id}@{spec.base_revision}, "
+            f"but the shared base is {base_id}@{base_revision}; use an adapter trained on this base revision")
+    digest = file_sha256(weights)
+    if spec.sha256 is None:
+        raise UserError(f"{key}.sha256: missing; {weights} hashes to {digest}, record it so the run can prove "
+                        f"which adapter it used")
+    if spec.sha256.lower() != digest:
+        raise IncompatibleModelsError(f"{key}.sha256: {weights} hashes to {digest}, not the recorded "
+                                      f"{spec.sha256}; the file changed or the recipe names another adapter")
+    return TeacherAdapter(weights.parent, weights, digest, base_id, base_revision)
+
+
+def load_teacher_adapter(peft_model: torch.nn.Module, adapter: TeacherAdapter) -> None:
+    """Add the frozen teacher adapter beside the student's ('default'), which stays active and trainable."""
+    trainable = adapter_parameters(peft_model)
+    try:
+        peft_model.load_adapter(str(adapter.directory), adapter_name=TEACHER_ADAPTER, is_trainable=False)
+    except (RuntimeError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise IncompatibleModelsError(
+            f"recipe key models.teacher.adapter.path: the adapter does not fit the shared base ({first})") from None
+    peft_model.set_adapter("default")
+    restore_requires_grad(peft_model, trainable)
+
+
+def restore_requires_grad(model: torch.nn.Module, trainable: dict[str, torch.nn.Parameter]) -> None:
+    """Exactly the `trainable` parameters require grad (peft's set_adapter re-flags adapters)."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(name in trainable)
+
+
+@contextmanager
+def active_adapter(peft_model: torch.nn.Module, name: str) -> Iterator[None]:
+    """Run the shared base with adapter `name`, then switch back; which parameters train never changes."""
+    trainable = adapter_parameters(peft_model)
+    previous = peft_model.active_adapter
+    peft_model.set_adapter(name)
+    restore_requires_grad(peft_model, trainable)
+    try:
+        yield
+    finally:
+        peft_model.set_adapter(previous)
+        restore_requires_grad(peft_model, trainable)
+
+
+class _WithAdapter:
+    """Calls `module` with one adapter of the shared base active."""
+
+    def __init__(self, peft_model: torch.nn.Module, module: torch.nn.Module, name: str):
+        self._peft, self._module, self._name = peft_model, module, name
+
+    def __call__(self, *args, **kwargs):
+        with active_adapter(self._peft, self._name):
+            return self._module(*args, **kwargs)
+
+
+class AdapterView:
+    """The shared base seen through one adapter: what the stages get as the teacher.
+
+    Calling it (or its `.model`, the decoder body) runs the base with that
+    adapter; `lm_head` is the base's head, which LoRA does not touch.
+    """
+
+    def __init__(self, peft_model: torch.nn.Module, name: str):
+        causal = peft_model.get_base_model()
+        self.adapter_name = name
+        self.config = causal.config
+        self.model = _WithAdapter(peft_model, causal.model, name)
+        self.lm_head = causal.lm_head
+        self._peft = peft_model
+        self._call = _WithAdapter(peft_model, peft_model, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        """The base's weights and this adapter's, not the other adapters'."""
+        marker = f".{self.adapter_name}."
+        for name, param in self._peft.named_parameters():
+            if "lora_" not in name or marker in name:
+                yield param
 
 
 @torch.no_grad()

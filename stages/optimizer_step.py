@@ -28,7 +28,7 @@ def flatten_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Ten
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, float] = {}
     for index, state in optimizer.state_dict()["state"].items():
-        for key, value in state.items():
+        for key, value in _flat_items(state):
             name = f"{index}.{key}"
             if torch.is_tensor(value):
                 tensors[name] = value.detach().cpu().clone()
@@ -37,12 +37,22 @@ def flatten_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Ten
     return tensors, scalars
 
 
+def _flat_items(state: dict) -> list[tuple[str, object]]:
+    """bitsandbytes nests its quantization state one level down; its loader also takes it flat."""
+    items = []
+    for key, value in state.items():
+        items.extend(value.items() if isinstance(value, dict) else [(key, value)])
+    return items
+
+
 def restore_state(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], scalars: dict[str, float]) -> None:
     if not tensors and not scalars:
         return
     state: dict[int, dict[str, object]] = {}
     for name, value in list(tensors.items()) + list(scalars.items()):
         index, key = name.split(".", 1)
+        if key == "step" and not torch.is_tensor(value):
+            value = int(value)  # bitsandbytes counts steps in a Python int (torch's AdamW in a tensor)
         state.setdefault(int(index), {})[key] = value
     template = optimizer.state_dict()
     optimizer.load_state_dict({"state": state, "param_groups": template["param_groups"]})

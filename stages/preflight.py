@@ -33,6 +33,15 @@ def _identity(role: str, spec, model_dir, model: torch.nn.Module | None) -> Mode
     )
 
 
+def _teacher_adapter(host: ModelHost) -> dict | None:
+    """shared_backbone: the frozen teacher adapter's verified provenance (ModelHost checked it)."""
+    adapter = host.teacher_adapter
+    if adapter is None:
+        return None
+    return {"path": str(adapter.weights), "sha256": adapter.sha256, "base_id": adapter.base_id,
+            "base_revision": adapter.base_revision}
+
+
 def run(recipe: Recipe, host: ModelHost, load_weights: bool = True) -> tuple[Preflight, dict[str, torch.Tensor]]:
     resolved = resolve_all(recipe)
     pairing = check_pairing(host.student_dir, host.teacher_dir, host.vocab_limit)
@@ -67,6 +76,8 @@ def run(recipe: Recipe, host: ModelHost, load_weights: bool = True) -> tuple[Pre
             "trainable_parameters": sum(t.numel() for t in adapter.values()),
             "base_id": recipe.models.student.id,
             "base_revision": recipe.models.student.revision,
+            "runtime": recipe.models.runtime,
+            "teacher_adapter": _teacher_adapter(host),
         },
         heldout_task_ids=[t.task_id for t in heldout],
     )

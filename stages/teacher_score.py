@@ -33,7 +33,8 @@ def run(recipe: Recipe, host: ModelHost, rollout: Rollout, reporter: Reporter) -
             if mode == "exact":
                 outputs.setdefault("teacher_hidden", []).append(hidden_NH.cpu())
             for start in range(0, hidden_NH.shape[0] if mode != "exact" else 0, chunk):
-                logits_CV = hidden_NH[start : start + chunk].float() @ head_VH.float().T
+                # Upcast the chunk's logits, not the head (a float32 copy of a bf16 head is ~1 GiB).
+                logits_CV = (hidden_NH[start : start + chunk].to(head_VH.dtype) @ head_VH.T).float()
                 if mode == "sampled_kl":
                     lp = token_logprobs(logits_CV, tokens_N[start : start + chunk], host.vocab_limit)
                     outputs.setdefault("teacher_logprobs", []).append(lp.cpu())
