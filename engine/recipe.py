@@ -82,6 +82,9 @@ class TrainSpec(_Strict):
     cycles: Positive = 10
     rollouts_per_cycle: Positive = 32
     trajectory_batch_size: Positive = 1
+    # Recompute each student layer in the gradient stage's backward instead of
+    # keeping its activations: less memory, one more forward; same gradient.
+    gradient_checkpointing: bool = False
 
 
 class RolloutSpec(_Strict):
@@ -91,6 +94,9 @@ class RolloutSpec(_Strict):
     temperature: PositiveFloat = 1.0
     top_p: Probability = 1.0
     generation_batch_size: Positive = 32
+    # auto: the CUDA-graph decode engine on CUDA, the plain forward-pass loop elsewhere;
+    # plain: the loop everywhere (slower; for debugging and for the before/after benchmark).
+    engine: Literal["auto", "plain"] = "auto"
 
 
 class LossRecipe(_Strict):

@@ -169,7 +169,20 @@ def run_batch(model, tool_loop: ToolLoop, tasks: list[CalcTask], policy: Samplin
 
 def run_episodes(model, tokenizer, tasks: list[CalcTask], policy: SamplingPolicy, budget: Budget,
                  generator: torch.Generator | None, vocab_limit: int, device: str, batch_size: int,
-                 on_batch=None) -> list[Episode]:
+                 on_batch=None, engine: str = "auto") -> list[Episode]:
+    """`engine`: `auto` decodes with the CUDA-graph engine on CUDA; `plain` always runs the forward-pass loop."""
+    if device == "cuda" and engine == "auto":  # the engine runs the plain loop for models it does not cover
+        from .cuda_graph_engine import run_episodes_fast
+
+        return run_episodes_fast(model, tokenizer, tasks, policy, budget, generator, vocab_limit, device,
+                                 batch_size, on_batch)
+    return run_episodes_plain(model, tokenizer, tasks, policy, budget, generator, vocab_limit, device,
+                              batch_size, on_batch)
+
+
+def run_episodes_plain(model, tokenizer, tasks: list[CalcTask], policy: SamplingPolicy, budget: Budget,
+                       generator: torch.Generator | None, vocab_limit: int, device: str, batch_size: int,
+                       on_batch=None) -> list[Episode]:
     tool_loop = ToolLoop(tokenizer, budget)
     episodes: list[Episode] = []
     for start in range(0, len(tasks), batch_size):

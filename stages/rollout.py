@@ -35,7 +35,7 @@ def run(recipe: Recipe, host: ModelHost, adapter: dict[str, torch.Tensor], adapt
             done[0] = n
 
         episodes = run_episodes(model, host.tokenizer, tasks, policy, budget, gen, host.vocab_limit,
-                                host.device, r.generation_batch_size, on_batch)
+                                host.device, r.generation_batch_size, on_batch, engine=r.engine)
     trajectories = []
     for ep in episodes:
         verdict = ep.verdict()

@@ -25,7 +25,8 @@ def run(recipe: Recipe, host: ModelHost, adapter: dict[str, torch.Tensor], adapt
             done[0] = n
 
         episodes = run_episodes(model, host.tokenizer, tasks, SamplingPolicy(greedy=True), budget, None,
-                                host.vocab_limit, host.device, recipe.verify.batch_size, on_batch)
+                                host.vocab_limit, host.device, recipe.verify.batch_size, on_batch,
+                                engine=recipe.rollout.engine)
     items = []
     for ep in episodes:
         v = ep.verdict()
