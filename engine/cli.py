@@ -15,6 +15,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from .errors import MiniverlError
 
@@ -28,6 +29,14 @@ RUNS_DIR_HELP = "Directory holding runs (default: ./runs, or $MINIVERL_RUNS_DIR)
 
 def _runs_dir(value: Optional[Path]) -> Path:
     return value or Path(os.environ.get("MINIVERL_RUNS_DIR", "runs"))
+
+
+def _exit_with_problems(problems: list[str]) -> None:
+    """One stderr line per problem, then exit 2 (a user error)."""
+    for problem in problems:
+        err.print(f"[bold red]error:[/] {escape(problem)}", highlight=False, soft_wrap=True)
+    if problems:
+        raise typer.Exit(2)
 
 
 def _finish_run(run) -> None:
@@ -52,15 +61,25 @@ def run_cmd(
     recipe: Path = typer.Argument(..., help="Recipe YAML file."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="Name of the run (default: recipe name + time)."),
     runs_dir: Optional[Path] = typer.Option(None, "--runs-dir", help=RUNS_DIR_HELP),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Check models, tokenizers and configuration; train nothing."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check models, tokenizers, adapters and memory; train nothing."),
+    as_json: bool = typer.Option(False, "--json", help="With --dry-run: print the report as JSON."),
 ) -> None:
     """Start a run from RECIPE and drive it to the end."""
-    from .progress import Reporter
-    from .runner import dry_run as do_dry_run, start_run
-
     if dry_run:
-        out.print_json(json.dumps(do_dry_run(recipe)))
+        from . import dry_run as checks
+        from .runner import quiet_libraries
+
+        quiet_libraries()
+        report = checks.dry_run(recipe)
+        if as_json:
+            out.print_json(json.dumps(report))
+        else:
+            checks.render(out, report)
+        _exit_with_problems(report["problems"])
         return
+    from .progress import Reporter
+    from .runner import start_run
+
     _finish_run(start_run(recipe, run_id, _runs_dir(runs_dir), Reporter()))
 
 
@@ -105,50 +124,128 @@ def inspect_cmd(
 ) -> None:
     """Show what a run or one of its artifacts holds: decoded spans, losses, timings."""
     from . import inspect_run
-    from .models import load_tokenizer
-    from .rundir import RunDir
     from .runner import open_run, quiet_libraries
 
     quiet_libraries()
-    path = Path(target)
-    if path.is_file():
-        out_artifact = inspect_run.load_any(path)
-        inspect_run.show(out, out_artifact, None, None, limit)
+    if Path(target).is_file():
+        inspect_run.show_file(out, Path(target), limit)
         return
     run, recipe = open_run(target, _runs_dir(runs_dir))
     if stage is None:
         out.print(inspect_run.journal_table(run))
         return
-    from .model_host import ModelHost
-
     artifact = inspect_run.load_any(inspect_run.artifact_path(run, stage, cycle))
-    try:
-        from .models import locate_model
+    inspect_run.show(out, artifact, run.root, inspect_run.student_tokenizer(recipe), limit)
 
-        s = recipe.models.student
-        tokenizer = load_tokenizer(locate_model("student", s.id, s.revision, s.path))
-    except MiniverlError:
-        tokenizer = None
-    inspect_run.show(out, artifact, run.root, tokenizer, limit)
+
+@app.command("doctor")
+def doctor_cmd(as_json: bool = typer.Option(False, "--json", help="Print the findings as JSON.")) -> None:
+    """Python, torch and CUDA, the device and its memory, bf16 and `dtype: auto`, optional dependencies."""
+    from . import doctor
+
+    report = doctor.collect()
+    if as_json:
+        out.print_json(json.dumps(report))
+    else:
+        doctor.render(out, report)
+
+
+@app.command("validate")
+def validate_cmd(
+    recipe: Path = typer.Argument(..., help="Recipe YAML file."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Check RECIPE (every problem at once) and print its configuration as it resolves here."""
+    from . import validate
+
+    result = validate.validate_file(recipe)
+    if as_json:
+        out.print_json(json.dumps(validate.as_json(result)))
+    elif not result.problems:
+        validate.render(out, result)
+    _exit_with_problems(result.problems)
+
+
+@app.command("runs")
+def runs_cmd(
+    runs_dir: Optional[Path] = typer.Option(None, "--runs-dir", help=RUNS_DIR_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
+) -> None:
+    """List the runs: status, cycle reached, last stage done, strict success, wall time."""
+    from . import runs_table
+
+    directory = _runs_dir(runs_dir)
+    rows = runs_table.list_runs(directory)
+    if as_json:
+        out.print_json(json.dumps(runs_table.as_json(rows)))
+    elif not rows:
+        out.print(f"no runs in {directory}", highlight=False)
+    else:
+        out.print(runs_table.table(rows, directory))
+
+
+@app.command("report")
+def report_cmd(
+    run_id: str = typer.Argument(..., help="Run to report on."),
+    output: Optional[Path] = typer.Option(None, "--out", help="HTML file to write (default: runs/<id>/report.html)."),
+    trajectories: int = typer.Option(2, "--trajectories", min=0, help="Trajectories shown from the first and last cycle."),
+    runs_dir: Optional[Path] = typer.Option(None, "--runs-dir", help=RUNS_DIR_HELP),
+) -> None:
+    """Write a self-contained HTML page with the run's charts, stage table and coloured trajectories."""
+    from .report_html import write_report
+
+    path, notes = write_report(run_id, _runs_dir(runs_dir), output, trajectories)
+    for note in notes:
+        out.print(note, highlight=False)
+    out.print(f"report: {path}", highlight=False)
+
+
+@app.command("export-benchmark")
+def export_benchmark_cmd(
+    run_id: str = typer.Argument(..., help="A finished run."),
+    notes: str = typer.Option(..., "--notes", help="Free text: the machine, anything unusual about the run."),
+    output: Optional[Path] = typer.Option(None, "--out", help="JSON file to write (default: runs/<id>/hardware_result.json)."),
+    runs_dir: Optional[Path] = typer.Option(None, "--runs-dir", help=RUNS_DIR_HELP),
+) -> None:
+    """Export a finished run as a hardware result: configuration, provenance, measurements, notes."""
+    from .benchmark_export import export
+
+    path = export(run_id, _runs_dir(runs_dir), notes, output)
+    out.print(f"hardware result: {path}; check it with `miniverl validate-benchmark {path}`", highlight=False)
+
+
+@app.command("validate-benchmark")
+def validate_benchmark_cmd(
+    document: Path = typer.Argument(..., help="A hardware-result JSON file."),
+    schema: Optional[Path] = typer.Option(None, "--schema", help="Schema file (default: the built-in one, "
+                                          "benchmarks/hardware_result.schema.json)."),
+) -> None:
+    """Check a hardware result against its schema; every problem is named by its JSON path."""
+    from .benchmark_export import check_file
+
+    problems = check_file(document, schema)
+    _exit_with_problems(problems)
+    out.print(f"{document}: a valid hardware result", highlight=False)
 
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # without standalone mode, click returns typer.Exit's code
+        if isinstance(code, int) and code != 0:
+            sys.exit(code)
     except MiniverlError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         err.print("interrupted; `miniverl resume RUN_ID` continues where the run stopped")
         sys.exit(130)
-    except Exception as exc:  # click usage errors and anything unforeseen
-        import click
-
-        if isinstance(exc, click.exceptions.Exit):
-            sys.exit(exc.exit_code)
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(2)
+    except Exception as exc:  # usage errors, and anything unforeseen
+        # typer vendors its own click (typer._click), so its usage errors are not click's
+        # classes: recognise them by the ClickException interface instead.
+        show, code = getattr(exc, "show", None), getattr(exc, "exit_code", None)
+        if callable(show) and isinstance(code, int):
+            show()
+            sys.exit(code)
         raise
 
 

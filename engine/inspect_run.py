@@ -13,7 +13,7 @@ from .artifacts import (
     PROVENANCE_MODEL, PROVENANCE_PROMPT, Checkpoint, Envelope, Gradient, Preflight, Rollout, TeacherScore,
     VerifyReport, decode_artifact, read_tensors,
 )
-from .errors import ArtifactError, UserError
+from .errors import ArtifactError, MiniverlError, UserError
 from .rundir import RunDir
 
 KINDS = {k.__name__: k for k in (Preflight, Checkpoint, Rollout, TeacherScore, Gradient, VerifyReport)}
@@ -29,6 +29,37 @@ def load_any(path: Path):
     if kind not in KINDS:
         raise ArtifactError(f"{path}: unknown artifact kind {kind}")
     return decode_artifact(data, KINDS[kind], str(path))
+
+
+def run_root_of(path: Path) -> Path | None:
+    """The run directory an artifact file lies in (the nearest parent with a journal), if any."""
+    for parent in path.resolve().parents:
+        if (parent / "journal.msgpack").is_file():
+            return parent
+    return None
+
+
+def student_tokenizer(recipe):
+    """The student's tokenizer for decoding spans; None when it cannot be loaded here."""
+    from .models import load_tokenizer, locate_model
+
+    try:
+        s = recipe.models.student
+        return load_tokenizer(locate_model("student", s.id, s.revision, s.path))
+    except (MiniverlError, ImportError, OSError):
+        return None
+
+
+def show_file(console: Console, path: Path, limit: int) -> None:
+    """An artifact given by its path; spans are decoded when the file lies inside a run."""
+    from .recipe import parse_recipe
+
+    artifact = load_any(path)
+    root = run_root_of(path)
+    tokenizer = None
+    if root is not None and (root / "recipe.yaml").is_file():
+        tokenizer = student_tokenizer(parse_recipe((root / "recipe.yaml").read_text(encoding="utf-8")))
+    show(console, artifact, root, tokenizer, limit)
 
 
 def journal_table(run: RunDir) -> Table:
