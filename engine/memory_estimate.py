@@ -11,7 +11,8 @@ that cannot fit, not a promise that one will; only a real run proves the fit.
                  moments: AdamW 8 bytes/param, paged 8-bit AdamW 2 bytes/param]
     KV cache     layers x kv_heads x head_dim x 2 (K and V) x bytes x tokens x batch
     activations  the tokens x widths a forward keeps (all layers when a backward follows)
-    chunk        loss.chunk_size (or a sampling batch) x vocab x 4 bytes x temporaries
+    chunk        loss.chunk_size (or a sampling batch) x vocab x 4 bytes x temporaries (8 bytes, plus
+                 float64 copies of the heads, for a float32 model)
 """
 
 from __future__ import annotations
@@ -227,6 +228,10 @@ def estimate(recipe: Recipe, student: ModelShape, teacher: ModelShape, device: s
 
     teacher_chunk = 0 if recipe.loss.mode == "exact" else chunk * teacher.vocab * FP32 * 3
     exact = recipe.loss.mode == "exact"
+    # A float32 model's loss logits are float64, from float64 copies of the heads (losses._chunk_logits).
+    loss_bytes = 2 * FP32 if b == FP32 else FP32
+    head_copies = (student.vocab * student.hidden + (teacher.vocab * teacher.hidden if exact else 0)) * 2 * FP32 \
+        if b == FP32 else 0
     overhead = RUNTIME_OVERHEAD[device]
     return [
         StageEstimate("preflight", student_w + teacher_w, lora, 0, 0, 0, overhead),
@@ -236,7 +241,8 @@ def estimate(recipe: Recipe, student: ModelShape, teacher: ModelShape, device: s
                       one_layer(student, rollout_batch), sampling(student, rollout_batch), overhead),
         StageEstimate("teacher_score", weights("teacher"), lora, 0, one_layer(teacher, micro), teacher_chunk, overhead),
         StageEstimate("gradient", weights("student", "teacher") if exact else weights("student"), 2 * lora, 0,
-                      all_layers(student, micro), chunk * student.vocab * FP32 * LOSS_TEMPORARIES[recipe.loss.mode],
+                      all_layers(student, micro),
+                      chunk * student.vocab * loss_bytes * LOSS_TEMPORARIES[recipe.loss.mode] + head_copies,
                       overhead),
         StageEstimate("optimizer_step", weights("student"), 3 * lora + lora // FP32 * moments, 0, 0, 0, overhead),
     ]

@@ -16,7 +16,7 @@ from miniverl.engine.tiny_models import (  # noqa: E402
     load_model,
     load_tokenizer,
 )
-from miniverl.engine.tiny_train import evaluate_greedy  # noqa: E402
+from miniverl.engine.tiny_eval import evaluate_greedy  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
