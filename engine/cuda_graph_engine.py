@@ -24,8 +24,8 @@ is only as fast as its kernel count, so it takes fewer kernels than
 - each projection's base layer is called as its module (so bitsandbytes NF4
   `Linear4bit` applies), and the peft LoRA adapter is applied from the
   adapter's own weights and scaling, the A matrices of projections that share
-  an input stacked into one matmul (`_Proj`); unquantized q/k/v and gate/up
-  base weights are also stacked into one weight when the copy fits;
+  an input stacked into one matmul (`_Proj`); unquantized base weights are
+  stacked with them into one weight per input when the copy fits;
 - RMSNorm is `torch.nn.functional.rms_norm` (one fused kernel), q_norm and
   k_norm run as one call over the adjacent q and k heads;
 - rotary embedding uses the model's own `rotary_emb` for cos/sin, once a step.
@@ -98,16 +98,16 @@ def _lora_parts(module: torch.nn.Module, dtype: torch.dtype):
 
 
 class _Proj:
-    """Projections of one input (q/k/v, or gate/up), each base layer plus its LoRA adapter.
+    """Projections of one input (q/k/v, gate/up, or one linear), each base layer plus its LoRA adapter.
 
     The adapters' A matrices are stacked into one matmul, and each B (scaled)
-    is added to its base output by one `addmm`: 2 + n kernels for n LoRA
-    linears instead of peft's 7 per linear. Unquantized bases of a group may
-    also be stacked into one weight (`fuse_base`: a copy, made only if it fits),
-    then the whole group is 3 kernels. LoRA runs in the compute dtype here
-    (peft runs it in float32): a difference at the compute dtype's rounding.
-    The adapter is read once, at construction: build a new decoder after the
-    adapter changes.
+    is added to its base output by one `addmm`: 1 + 2n kernels for n LoRA
+    linears instead of peft's 7 per linear. When the bases are unquantized and
+    the copy fits (`fuse_base`), base weights and A are stacked into one weight,
+    and the group is 2 kernels: one matmul, then `addmm` with a block-diagonal B.
+    LoRA runs in the compute dtype here (peft runs it in float32): a
+    difference at the compute dtype's rounding. The adapter is read once, at
+    construction: build a new decoder after the adapter changes.
     """
 
     def __init__(self, modules: list[torch.nn.Module], dtype: torch.dtype, fuse_base: bool):
@@ -119,33 +119,39 @@ class _Proj:
             return
         self.bases = [base for base, _, _ in parts]
         self.widths = [base.out_features for base in self.bases]
-        plain = all(type(b) is torch.nn.Linear and b.bias is None for b in self.bases)
-        if fuse_base and plain and len(modules) > 1:
-            self.weight = torch.cat([b.weight for b in self.bases])
+        self.out = sum(self.widths)
         adapters = [(i, a, b) for i, (_, a, b) in enumerate(parts) if a is not None]
-        if adapters:
-            self.a_t = torch.cat([a for _, a, _ in adapters]).t()  # (in, total rank)
+        a_cat = torch.cat([a for _, a, _ in adapters]) if adapters else None  # (total rank, in)
+        plain = all(type(b) is torch.nn.Linear and b.bias is None for b in self.bases)
+        if fuse_base and plain and (len(modules) > 1 or adapters):
+            self.weight = torch.cat([b.weight for b in self.bases] + ([a_cat] if adapters else []))
+        if not adapters:
+            return
+        if self.weight is not None:  # one block-diagonal B over the stacked output
+            b_bd = torch.zeros(self.out, a_cat.shape[0], dtype=dtype, device=a_cat.device)
             rank_at = 0
             for i, a, b in adapters:
-                self.b_ts.append((i, rank_at, rank_at + a.shape[0], b.t()))
+                row = sum(self.widths[:i])
+                b_bd[row:row + self.widths[i], rank_at:rank_at + a.shape[0]] = b
                 rank_at += a.shape[0]
-        if self.weight is not None and adapters:  # one block-diagonal B for the stacked output
-            b_bd = torch.zeros(sum(self.widths), self.a_t.shape[1], dtype=dtype, device=self.weight.device)
-            offsets = [sum(self.widths[:i]) for i in range(len(self.widths))]
-            for i, lo, hi, b_t in self.b_ts:
-                b_bd[offsets[i]:offsets[i] + self.widths[i], lo:hi] = b_t.t()
-            self.b_ts = [(None, 0, self.a_t.shape[1], b_bd.t())]
+            self.b_ts = [(None, 0, rank_at, b_bd.t())]
+            return
+        self.a_t = a_cat.t()  # (in, total rank)
+        rank_at = 0
+        for i, a, b in adapters:
+            self.b_ts.append((i, rank_at, rank_at + a.shape[0], b.t()))
+            rank_at += a.shape[0]
 
     def __call__(self, x_MK: torch.Tensor) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """(the stacked output when there is one, each projection's output)."""
         if self.bases is None:
             return None, [m(x_MK) for m in self.modules]
-        h = x_MK @ self.a_t if self.a_t is not None else None  # (M, total rank)
         if self.weight is not None:
-            y = F.linear(x_MK, self.weight)
-            for _, lo, hi, b_t in self.b_ts:
-                y = torch.addmm(y, h[:, lo:hi], b_t)
+            y = F.linear(x_MK, self.weight)  # (M, out), then (M, total rank) of x A^T when there are adapters
+            if self.b_ts:
+                y = torch.addmm(y[:, :self.out], y[:, self.out:], self.b_ts[0][3])
             return y, list(y.split(self.widths, dim=-1))
+        h = x_MK @ self.a_t if self.a_t is not None else None  # (M, total rank)
         outs = [base(x_MK) for base in self.bases]
         for i, lo, hi, b_t in self.b_ts:
             outs[i] = torch.addmm(outs[i], h[:, lo:hi], b_t)
@@ -186,9 +192,9 @@ class StaticDecoder:
             self._capture()
 
     def _stacked_copy_fits(self) -> bool:
-        """Stack q/k/v and gate/up base weights only if unquantized and the copy takes under a quarter of free memory."""
+        """Stack base weights only if unquantized and the copy takes under a quarter of free memory."""
         mlp, attn = self.body.layers[0].mlp, self.body.layers[0].self_attn
-        linears = [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         bases = [getattr(m, "base_layer", m) for m in linears]
         if any(type(b) is not torch.nn.Linear for b in bases):
             return False
@@ -220,8 +226,10 @@ class StaticDecoder:
         for index, p in enumerate(self.layers):
             x = _rms(p["input_norm"], h_MH)
             joined, (q, k, v) = p["qkv"](x)
-            qk = joined[:, :(nq + nk) * D] if joined is not None else torch.cat((q, k), dim=-1)
-            qk = F.rms_norm(qk.view(M, nq + nk, D), (D,), None, p["qk_eps"]) * p["qk_weight"]  # as Qwen3RMSNorm
+            # q_norm and k_norm as Qwen3RMSNorm computes them (normalize, round, then weight), in one call
+            # over adjacent heads; over the stacked output the v heads are normalized too, and dropped.
+            heads = joined.view(M, -1, D) if joined is not None else torch.cat((q, k), dim=-1).view(M, nq + nk, D)
+            qk = F.rms_norm(heads, (D,), None, p["qk_eps"])[:, :nq + nk] * p["qk_weight"]
             qk = torch.addcmul(qk * cos, qk.roll(D // 2, dims=-1), sin)  # rotary embedding
             h_MH = h_MH + p["o"](attend(index, qk[:, :nq], qk[:, nq:], v.view(M, nk, D)))[1][0]
             _, (gate, up) = p["gate_up"](_rms(p["post_norm"], h_MH))
