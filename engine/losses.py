@@ -292,7 +292,6 @@ def chunked_loss_backward(hidden_NH: Tensor, head_VH: Tensor, targets: PositionT
     if spec.mode == "exact":
         teacher_w_VH = targets.teacher_head_VH.detach()[:vocab_limit]
 
-    loss_dtype = torch.float64 if head_VH.dtype == torch.float32 else torch.float32
     loss_total = torch.zeros((), dtype=torch.float64, device=hidden_NH.device)
     kl_total = torch.zeros((), dtype=torch.float64, device=hidden_NH.device)
     chunks = 0
@@ -310,8 +309,7 @@ def chunked_loss_backward(hidden_NH: Tensor, head_VH: Tensor, targets: PositionT
             with torch.no_grad():
                 if memory_guard is not None:
                     memory_guard(c * vocab_limit)
-                teacher_h_CH = targets.teacher_hidden_NH[lo:hi].to(teacher_w_VH.dtype)
-                teacher_logits_CV = _chunk_logits(teacher_h_CH, teacher_w_VH)
+                teacher_logits_CV = _chunk_logits(targets.teacher_hidden_NH[lo:hi], teacher_w_VH)
                 teacher_logp_CV = torch.log_softmax(teacher_logits_CV, dim=-1)
                 del teacher_logits_CV
 
@@ -320,7 +318,7 @@ def chunked_loss_backward(hidden_NH: Tensor, head_VH: Tensor, targets: PositionT
                 memory_guard(c * vocab_limit)
             logits_CV = _chunk_logits(h_CH, w_VH)
             if spec.mode == "sampled_kl":
-                teacher_lp_C = targets.teacher_logprobs_N[lo:hi].to(loss_dtype)
+                teacher_lp_C = targets.teacher_logprobs_N[lo:hi].to(logits_CV.dtype)
                 loss_C, kl_C = _sampled_kl(logits_CV, tokens_C, teacher_lp_C)
             elif spec.mode == "topk_tail":
                 ids_CK = targets.topk_ids_NK[lo:hi].long()

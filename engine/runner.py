@@ -43,13 +43,6 @@ def prepare(recipe: Recipe) -> ModelHost:
     return host
 
 
-def dry_run(recipe_path: Path) -> dict:
-    """Identity, tokenizer, adapter and memory checks without loading weights (see engine.dry_run)."""
-    from .dry_run import dry_run as check
-
-    return check(recipe_path)
-
-
 def start_run(recipe_path: Path, run_id: str | None, runs_dir: Path, reporter: Reporter) -> RunDir:
     recipe, text = load_recipe(recipe_path)
     run_id = check_run_id(run_id or f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
