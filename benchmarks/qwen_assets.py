@@ -53,8 +53,8 @@ def build_teacher_adapter(base_dir: Path, out_dir: Path, seed: int = 1) -> str:
     import torch
     import yaml
 
-    from miniverl.engine.models import attach_lora, load_causal_lm
-    from miniverl.engine.recipe import LoraSpec
+    from miniverl.engine.models.loading import attach_lora, load_causal_lm
+    from miniverl.engine.core.recipe import LoraSpec
 
     spec = yaml.safe_load((ROOT / "recipes" / "qwen_consumer_gpu_shared.yaml").read_text())["models"]["student"]["lora"]
     model = attach_lora(load_causal_lm(base_dir, torch.bfloat16, _device()), LoraSpec(**spec), seed)

@@ -82,7 +82,7 @@ def cli(args: list[str], log: Path, env_extra: dict | None = None, timeout: floa
         handle.write(f"\n$ miniverl {' '.join(args)}  {env_extra or ''}\n")
         handle.flush()
         try:
-            rc = subprocess.run([sys.executable, "-m", "miniverl.engine.cli", *args], stdout=handle,
+            rc = subprocess.run([sys.executable, "-m", "miniverl.engine.cli.app", *args], stdout=handle,
                                 stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
@@ -146,7 +146,7 @@ def run_pipeline(recipe: Path, run_id: str, runs: Path, log: Path, kill: bool, t
 
 
 def _trajectory_lengths(path: Path) -> dict:
-    from miniverl.engine.artifacts import Rollout, read_artifact
+    from miniverl.engine.core.artifacts import Rollout, read_artifact
 
     artifact = read_artifact(path, Rollout)
     return {"total": [len(t.token_ids) for t in artifact.trajectories],
@@ -161,8 +161,8 @@ def synthetic_rollout(host, n: int, total_tokens: int):
     """n trajectories of exactly `total_tokens`: a real calculator prompt, then random model tokens."""
     import torch
 
-    from miniverl.engine.artifacts import Rollout, Trajectory
-    from miniverl.engine.task import make_tasks, render_prompt
+    from miniverl.engine.core.artifacts import Rollout, Trajectory
+    from miniverl.engine.tasks.calculator import make_tasks, render_prompt
 
     gen = torch.Generator().manual_seed(0)
     trajectories = []
@@ -198,8 +198,8 @@ def naive_gradient(host, rollout, teacher_hidden_NH, adapter, checkpointing: boo
     """Full [T, V] float32 logits for student and teacher, log-softmax, reverse KL, backward."""
     import torch
 
-    from miniverl.engine.models import adapter_parameters, decoder_and_head, set_gradient_checkpointing
-    from miniverl.engine.sequences import predicting_hidden
+    from miniverl.engine.models.loading import adapter_parameters, decoder_and_head, set_gradient_checkpointing
+    from miniverl.engine.models.sequences import predicting_hidden
 
     student = host.student(adapter)
     student.train()
@@ -232,10 +232,10 @@ def measure(recipe_path: Path, out: Path, trajectories: int) -> None:
     import msgspec
     import torch
 
-    from miniverl.engine.device import resolve_all
-    from miniverl.engine.model_host import ModelHost
-    from miniverl.engine.progress import Reporter
-    from miniverl.engine.recipe import load_recipe
+    from miniverl.engine.core.device import resolve_all
+    from miniverl.engine.models.host import ModelHost
+    from miniverl.engine.core.progress import Reporter
+    from miniverl.engine.core.recipe import load_recipe
     from miniverl.stages import gradient, teacher_score
 
     quiet = Reporter(enabled=False)
@@ -294,7 +294,7 @@ def measure(recipe_path: Path, out: Path, trajectories: int) -> None:
 def environment() -> dict:
     import torch
 
-    from miniverl.engine.device import environment as env
+    from miniverl.engine.core.device import environment as env
 
     return {**env(), "torch_cuda": str(torch.version.cuda), "host": platform.node()}
 

@@ -82,8 +82,8 @@ CHAT_TEMPLATE = (
 
 
 def _corpus(readme: Path | None) -> list[str]:
-    from miniverl.engine.task import CALCULATOR_TOOL
-    from miniverl.engine.tiny_tokenizer import _corpus as calc_traces
+    from miniverl.engine.tasks.calculator import CALCULATOR_TOOL
+    from miniverl.engine.tiny.tokenizer import _corpus as calc_traces
 
     system = "<|im_start|>system\n" + TOOLS_PREAMBLE + "\n" + json.dumps(CALCULATOR_TOOL) + TOOLS_EPILOGUE
     lines = [system] * 50 + calc_traces()
@@ -97,7 +97,7 @@ def build_tokenizer(out_dir: Path, readme: Path | None = None, merges_vocab: int
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from miniverl.engine.tiny_tokenizer import QWEN_SPLIT_PATTERN
+    from miniverl.engine.tiny.tokenizer import QWEN_SPLIT_PATTERN
 
     def pre_tokenizer():
         return pre_tokenizers.Sequence([

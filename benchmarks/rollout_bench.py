@@ -32,13 +32,14 @@ from pathlib import Path
 
 import torch
 
-from miniverl.engine.cuda_graph_engine import StaticDecoder, run_episodes_fast
-from miniverl.engine.device import environment
-from miniverl.engine.models import attach_lora, load_causal_lm
-from miniverl.engine.recipe import LoraSpec
-from miniverl.engine.rollout_engine import Budget, SamplingPolicy, run_episodes_plain, select_next
-from miniverl.engine.task import make_tasks
-from miniverl.engine.tiny_models import TOKENIZER_SIZE, load_tokenizer
+from miniverl.engine.rollout.cuda_graph import StaticDecoder, run_episodes_fast
+from miniverl.engine.core.device import environment
+from miniverl.engine.models.loading import attach_lora, load_causal_lm
+from miniverl.engine.core.recipe import LoraSpec
+from miniverl.engine.rollout.loop import Budget, SamplingPolicy, select_next
+from miniverl.engine.rollout.plain import run_episodes_plain
+from miniverl.engine.tasks.calculator import make_tasks
+from miniverl.engine.tiny.models import TOKENIZER_SIZE, load_tokenizer
 
 GREEDY = SamplingPolicy(greedy=True)
 

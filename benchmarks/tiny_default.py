@@ -39,7 +39,7 @@ def with_seed(recipe: str, seed: int, directory: Path) -> str:
 
 def run_recipe(recipe: str, runs_dir: Path) -> dict:
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "miniverl.engine.cli", "run", recipe, "--run-id", "bench",
+    result = subprocess.run([sys.executable, "-m", "miniverl.engine.cli.app", "run", recipe, "--run-id", "bench",
                              "--runs-dir", str(runs_dir)], cwd=ROOT, capture_output=True, text=True)
     seconds = time.perf_counter() - started
     if result.returncode != 0:

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from miniverl.engine.artifacts import ChunkAttempt, Rollout
-from miniverl.engine.errors import StageFailed
-from miniverl.engine.faults import oom_guard
-from miniverl.engine.losses import LossSpec, LossStats, PositionTargets, chunked_loss_backward
-from miniverl.engine.model_host import ModelHost
-from miniverl.engine.models import adapter_parameters, decoder_and_head, set_gradient_checkpointing
-from miniverl.engine.progress import Reporter
-from miniverl.engine.recipe import Recipe
-from miniverl.engine.sequences import micro_batches, predicting_hidden
+from miniverl.engine.core.artifacts import ChunkAttempt, Rollout
+from miniverl.engine.core.errors import StageFailed
+from miniverl.engine.core.faults import oom_guard
+from miniverl.engine.distill.losses import LossSpec, LossStats, PositionTargets, chunked_loss_backward
+from miniverl.engine.models.host import ModelHost
+from miniverl.engine.models.loading import adapter_parameters, decoder_and_head, set_gradient_checkpointing
+from miniverl.engine.core.progress import Reporter
+from miniverl.engine.core.recipe import Recipe
+from miniverl.engine.models.sequences import micro_batches, predicting_hidden
 
 
 def _targets(mode: str, tokens_N: torch.Tensor, teacher: dict[str, torch.Tensor], lo: int, hi: int,

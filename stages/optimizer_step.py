@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from miniverl.engine.recipe import Recipe
+from miniverl.engine.core.recipe import Recipe
 
 
 def make_optimizer(name: str, params: list[torch.Tensor], recipe: Recipe) -> torch.optim.Optimizer:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from miniverl.engine.artifacts import ModelIdentity, Preflight, Resolution, TokenizerVerdict
-from miniverl.engine.device import environment, resolve_all
-from miniverl.engine.model_host import ModelHost
-from miniverl.engine.models import check_pairing, file_sha256, read_config, require_pairing
-from miniverl.engine.recipe import Recipe, recipe_to_builtins
-from miniverl.engine.task import make_tasks
+from miniverl.engine.core.artifacts import ModelIdentity, Preflight, Resolution, TokenizerVerdict
+from miniverl.engine.core.device import environment, resolve_all
+from miniverl.engine.models.host import ModelHost
+from miniverl.engine.models.loading import check_pairing, file_sha256, read_config, require_pairing
+from miniverl.engine.core.recipe import Recipe, recipe_to_builtins
+from miniverl.engine.tasks.calculator import make_tasks
 
 
 def _identity(role: str, spec, model_dir, model: torch.nn.Module | None) -> ModelIdentity:

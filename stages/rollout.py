@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from miniverl.engine.artifacts import Rollout, Trajectory
-from miniverl.engine.model_host import ModelHost
-from miniverl.engine.progress import Reporter
-from miniverl.engine.recipe import Recipe
-from miniverl.engine.rollout_engine import Budget, SamplingPolicy, run_episodes
-from miniverl.engine.seeding import derive_seed, generator
-from miniverl.engine.task import make_tasks
+from miniverl.engine.core.artifacts import Rollout, Trajectory
+from miniverl.engine.models.host import ModelHost
+from miniverl.engine.core.progress import Reporter
+from miniverl.engine.core.recipe import Recipe
+from miniverl.engine.rollout.engines import run_episodes
+from miniverl.engine.rollout.loop import Budget, SamplingPolicy
+from miniverl.engine.core.seeding import derive_seed, generator
+from miniverl.engine.tasks.calculator import make_tasks
 
 
 def cycle_tasks(recipe: Recipe, cycle: int):

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from miniverl.engine.artifacts import Rollout
-from miniverl.engine.losses import teacher_topk, token_logprobs
-from miniverl.engine.model_host import ModelHost
-from miniverl.engine.models import decoder_and_head
-from miniverl.engine.progress import Reporter
-from miniverl.engine.recipe import Recipe
-from miniverl.engine.sequences import micro_batches, predicting_hidden
+from miniverl.engine.core.artifacts import Rollout
+from miniverl.engine.distill.losses import teacher_topk, token_logprobs
+from miniverl.engine.models.host import ModelHost
+from miniverl.engine.models.loading import decoder_and_head
+from miniverl.engine.core.progress import Reporter
+from miniverl.engine.core.recipe import Recipe
+from miniverl.engine.models.sequences import micro_batches, predicting_hidden
 
 
 @torch.no_grad()

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from miniverl.engine.artifacts import VerifyItem, VerifyReport
-from miniverl.engine.model_host import ModelHost
-from miniverl.engine.progress import Reporter
-from miniverl.engine.recipe import Recipe
-from miniverl.engine.rollout_engine import Budget, SamplingPolicy, run_episodes
-from miniverl.engine.task import make_tasks
+from miniverl.engine.core.artifacts import VerifyItem, VerifyReport
+from miniverl.engine.models.host import ModelHost
+from miniverl.engine.core.progress import Reporter
+from miniverl.engine.core.recipe import Recipe
+from miniverl.engine.rollout.engines import run_episodes
+from miniverl.engine.rollout.loop import Budget, SamplingPolicy
+from miniverl.engine.tasks.calculator import make_tasks
 
 
 def run(recipe: Recipe, host: ModelHost, adapter: dict[str, torch.Tensor], adapter_sha256: str,

@@ -1,0 +1,237 @@
+"""Typed artifacts: the only channel between stages.
+
+Every artifact is a msgspec Struct encoded with msgpack inside an `Envelope`
+that carries the schema version, the artifact kind and the sha256 of the
+payload, so a reader detects truncation, bit flips and stale schemas before
+trusting anything. Large tensors go to safetensors files that an artifact
+names together with their sha256.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from miniverl.engine.core.atomic_io import sha256_bytes, write_bytes_atomic
+from miniverl.engine.core.errors import ArtifactError
+
+SCHEMA_VERSION = 1
+
+PROVENANCE_PROMPT = 0
+PROVENANCE_MODEL = 1
+PROVENANCE_TOOL = 2
+
+
+class Envelope(msgspec.Struct, frozen=True):
+    schema: int
+    kind: str
+    payload_sha256: str
+    payload: bytes
+
+
+class TensorFile(msgspec.Struct, frozen=True):
+    """A safetensors file, relative to the run directory, with its hash."""
+
+    path: str
+    sha256: str
+
+
+# ---------------------------------------------------------------- preflight
+class ModelIdentity(msgspec.Struct, frozen=True):
+    role: str
+    id: str
+    revision: str | None
+    local_dir: str
+    config_sha256: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_parameters: int
+
+
+class TokenizerVerdict(msgspec.Struct, frozen=True):
+    compatible: bool
+    student_sha256: str
+    teacher_sha256: str
+    tokenizer_size: int
+    student_vocab_rows: int
+    teacher_vocab_rows: int
+    padded_rows: int
+    reason: str
+
+
+class Resolution(msgspec.Struct, frozen=True):
+    value: str
+    reason: str
+
+
+class Preflight(msgspec.Struct, frozen=True):
+    recipe: dict[str, Any]
+    resolved: dict[str, Resolution]
+    environment: dict[str, str]
+    models: list[ModelIdentity]
+    tokenizer: TokenizerVerdict
+    adapter: dict[str, Any]
+    heldout_task_ids: list[str]
+
+
+# ---------------------------------------------------------------- checkpoint
+class Checkpoint(msgspec.Struct, frozen=True):
+    step: int
+    adapter: TensorFile
+    optimizer: TensorFile | None
+    optimizer_scalars: dict[str, float]
+    adapter_sha256: str
+    base_id: str
+    base_revision: str | None
+    base_config_sha256: str
+    lora: dict[str, Any]
+
+
+# ---------------------------------------------------------------- rollout
+class Trajectory(msgspec.Struct, frozen=True):
+    task_id: str
+    question: str
+    expression: str
+    answer: int
+    token_ids: list[int]
+    provenance: list[int]  # PROVENANCE_* per token
+    sampling_logprobs: list[float]  # one per model-generated token, in order
+    turns: list[str]
+    tool_results: list[str]
+    tool_ok: list[bool]
+    finish_reason: str  # stop | length | max_turns
+    tool_called: bool
+    format_valid: bool
+    strict_success: bool
+
+    @property
+    def model_positions(self) -> list[int]:
+        return [i for i, p in enumerate(self.provenance) if p == PROVENANCE_MODEL]
+
+
+class Rollout(msgspec.Struct, frozen=True):
+    cycle: int
+    policy_adapter_sha256: str
+    temperature: float
+    top_p: float
+    trajectories: list[Trajectory]
+    generated_tokens: int
+
+
+# ---------------------------------------------------------------- teacher score
+class TeacherScore(msgspec.Struct, frozen=True):
+    cycle: int
+    mode: str
+    rollout_sha256: str
+    positions: list[int]  # model-generated positions per trajectory
+    tensors: TensorFile  # sampled_kl: teacher_logprobs; topk_tail: topk_ids/topk_logprobs; exact: teacher_hidden
+
+
+# ---------------------------------------------------------------- gradient
+class ChunkAttempt(msgspec.Struct, frozen=True):
+    chunk_size: int
+    ok: bool
+    error: str | None
+
+
+class Gradient(msgspec.Struct, frozen=True):
+    cycle: int
+    policy_adapter_sha256: str
+    tensors: TensorFile
+    loss: float
+    kl: float
+    positions: int
+    micro_batches: int
+    chunk_size: int
+    attempts: list[ChunkAttempt]
+    grad_norm: float
+
+
+# ---------------------------------------------------------------- verify
+class VerifyItem(msgspec.Struct, frozen=True):
+    task_id: str
+    question: str
+    turns: list[str]
+    tool_called: bool
+    format_valid: bool
+    expression_valid: bool
+    result_used: bool
+    correct: bool
+    strict_success: bool
+
+
+class VerifyReport(msgspec.Struct, frozen=True):
+    label: str
+    policy_adapter_sha256: str
+    tasks: int
+    tool_call_rate: float
+    format_validity: float
+    strict_success: float
+    items: list[VerifyItem]
+
+
+T = TypeVar("T")
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_artifact(value: msgspec.Struct) -> bytes:
+    payload = _encoder.encode(value)
+    envelope = Envelope(SCHEMA_VERSION, type(value).__name__, sha256_bytes(payload), payload)
+    return _encoder.encode(envelope)
+
+
+def decode_artifact(data: bytes, kind: type[T], source: str) -> T:
+    try:
+        envelope = msgspec.msgpack.decode(data, type=Envelope)
+    except msgspec.DecodeError as exc:
+        raise ArtifactError(f"{source}: unreadable artifact ({exc})") from None
+    if envelope.schema != SCHEMA_VERSION:
+        raise ArtifactError(f"{source}: schema {envelope.schema}, this miniverl reads {SCHEMA_VERSION}")
+    if envelope.kind != kind.__name__:
+        raise ArtifactError(f"{source}: holds a {envelope.kind}, expected {kind.__name__}")
+    if sha256_bytes(envelope.payload) != envelope.payload_sha256:
+        raise ArtifactError(f"{source}: content hash mismatch (the file is corrupt)")
+    try:
+        return msgspec.msgpack.decode(envelope.payload, type=kind)
+    except msgspec.DecodeError as exc:
+        raise ArtifactError(f"{source}: payload does not match {kind.__name__} ({exc})") from None
+
+
+def write_artifact(path: Path, value: msgspec.Struct) -> str:
+    """Write atomically; return the file's sha256 (what the journal records)."""
+    data = encode_artifact(value)
+    write_bytes_atomic(path, data)
+    return sha256_bytes(data)
+
+
+def read_artifact(path: Path, kind: type[T], expected_sha256: str | None = None) -> T:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ArtifactError(f"{path}: missing") from None
+    if expected_sha256 is not None and sha256_bytes(data) != expected_sha256:
+        raise ArtifactError(f"{path}: does not match the hash the journal recorded (corrupt or replaced)")
+    return decode_artifact(data, kind, str(path))
+
+
+def write_tensors(run_dir: Path, relative: str, tensors: dict[str, torch.Tensor]) -> TensorFile:
+    data = st_save({name: t.detach().contiguous().cpu() for name, t in tensors.items()})
+    write_bytes_atomic(run_dir / relative, data)
+    return TensorFile(relative, sha256_bytes(data))
+
+
+def read_tensors(run_dir: Path, ref: TensorFile) -> dict[str, torch.Tensor]:
+    path = run_dir / ref.path
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ArtifactError(f"{path}: missing") from None
+    if sha256_bytes(data) != ref.sha256:
+        raise ArtifactError(f"{path}: content hash mismatch (the file is corrupt)")
+    return st_load(data)

@@ -1,0 +1,206 @@
+"""Device, dtype and memory-strategy resolution, and environment provenance.
+
+There is no GPU allowlist: `auto` means CUDA whenever PyTorch can use it.
+Every `auto` resolves to a value plus the reason, which preflight records.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.metadata
+import platform
+import subprocess
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from miniverl.engine.core.errors import RecipeError
+from miniverl.engine.core.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class Resolved:
+    value: str
+    reason: str
+
+
+def cuda_problem() -> str | None:
+    """None when PyTorch can run a kernel on CUDA device 0; otherwise why it cannot."""
+    if not torch.cuda.is_available():
+        return "torch.cuda.is_available() is False (a CPU-only PyTorch build, or no usable driver or device)"
+    try:
+        torch.ones(1, device="cuda").add_(1).item()
+    except RuntimeError as exc:  # e.g. a GPU architecture this PyTorch build has no kernels for
+        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        return f"PyTorch sees a CUDA device but cannot run a kernel on it ({first})"
+    return None
+
+
+def _gpu_description() -> str:
+    major, minor = torch.cuda.get_device_capability(0)
+    return f"{torch.cuda.get_device_name(0)}, compute capability {major}.{minor}"
+
+
+def resolve_device(requested: str) -> Resolved:
+    """`auto`: CUDA whenever PyTorch can use it, whatever the card is called; CPU otherwise."""
+    if requested == "cpu":
+        return Resolved("cpu", "requested by the recipe")
+    problem = cuda_problem()
+    if problem is None:
+        why = "requested by the recipe" if requested == "cuda" else "auto: PyTorch can use CUDA"
+        return Resolved("cuda", f"{why} ({_gpu_description()})")
+    if requested == "cuda":
+        raise RecipeError(f"recipe key models.device: cuda requested but {problem}; use auto or cpu")
+    return Resolved("cpu", f"auto: no CUDA device usable by PyTorch: {problem}")
+
+
+def native_bf16() -> bool:
+    """bfloat16 arithmetic in hardware: compute capability 8.0 and up (PyTorch emulates it below)."""
+    major, _ = torch.cuda.get_device_capability(0)
+    return major >= 8 and torch.cuda.is_bf16_supported()
+
+
+def resolve_dtype(requested: str, device: str) -> Resolved:
+    """`auto`: bfloat16 where the GPU computes it natively, float16 otherwise (e.g. 7.0), float32 on CPU."""
+    if device == "cpu":
+        if requested in ("auto", "float32"):
+            return Resolved("float32", "CPU computes in float32")
+        raise RecipeError(f"recipe key dtype: {requested} is not supported on CPU; use auto or float32")
+    major, minor = torch.cuda.get_device_capability(0)
+    if requested != "auto":
+        if requested == "bfloat16" and not native_bf16():
+            raise RecipeError(f"recipe key dtype: this GPU (compute capability {major}.{minor}) has no bfloat16 "
+                              "path; use auto or float16")
+        return Resolved(requested, "requested by the recipe")
+    if native_bf16():
+        return Resolved("bfloat16", f"auto: compute capability {major}.{minor} supports bfloat16")
+    return Resolved("float16", f"auto: compute capability {major}.{minor} has no native bfloat16; float16 instead")
+
+
+def resolve_memory_strategy(requested: str, quantized_student: bool, device: str) -> Resolved:
+    """`swap` moves only unquantized models; an NF4 student stays resident under every strategy."""
+    if device == "cpu":
+        return Resolved("resident", f"{requested}: on CPU every model is resident; there is nothing to swap to")
+    if requested == "swap":
+        if quantized_student:
+            return Resolved("swap", "requested by the recipe: the unquantized teacher waits in CPU memory while a "
+                                    "stage does not use it; the NF4 student stays resident (bitsandbytes modules "
+                                    "are never moved)")
+        return Resolved("swap", "requested by the recipe: a model waits in CPU memory while a stage does not use it")
+    if requested == "resident":
+        return Resolved("resident", "requested by the recipe")
+    if quantized_student:
+        return Resolved("resident", "auto: the student is NF4-quantized, and bitsandbytes modules are never moved "
+                                    "between devices, so both models stay resident")
+    return Resolved("resident", "auto: resident (no transfers between stages); set memory.strategy: swap to keep "
+                                "the idle model in CPU memory")
+
+
+def resolve_optimizer(requested: str, device: str) -> Resolved:
+    if requested == "paged_adamw_8bit" and device == "cpu":
+        raise RecipeError("recipe key optimizer.name: paged_adamw_8bit needs a CUDA device; use auto or adamw")
+    if requested != "auto":
+        return Resolved(requested, "requested by the recipe")
+    if device == "cuda":
+        return Resolved("paged_adamw_8bit", "auto: bitsandbytes paged 8-bit AdamW on CUDA")
+    return Resolved("adamw", "auto: plain AdamW on CPU")
+
+
+def check_quantization(quantization: str, device: str) -> None:
+    if quantization == "nf4" and device == "cpu":
+        raise RecipeError(
+            "recipe key models.student.quantization: nf4 needs a CUDA device here; use quantization: none on CPU"
+        )
+
+
+def resolve_all(recipe: Recipe) -> dict[str, Resolved]:
+    device = resolve_device(recipe.models.device)
+    quantized = recipe.models.student.quantization == "nf4"
+    check_quantization(recipe.models.student.quantization, device.value)
+    return {
+        "device": device,
+        "dtype": resolve_dtype(recipe.dtype, device.value),
+        "memory.strategy": resolve_memory_strategy(recipe.memory.strategy, quantized, device.value),
+        "optimizer.name": resolve_optimizer(recipe.optimizer.name, device.value),
+    }
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def driver_version() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10,
+        )
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "none"
+
+
+def environment() -> dict[str, str]:
+    env = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": str(torch.__version__),
+        "cuda_build": str(torch.version.cuda),
+        "cuda_available": str(torch.cuda.is_available()),
+    }
+    for package in ("transformers", "peft", "bitsandbytes", "msgspec", "tokenizers", "safetensors"):
+        env[package] = _version(package)
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env["gpu"] = props.name
+        env["gpu_memory_gib"] = f"{props.total_memory / 2**30:.2f}"
+        env["compute_capability"] = f"{props.major}.{props.minor}"
+        env["driver"] = driver_version()
+    return env
+
+
+class PeakMemory:
+    """Peak memory of one stage: CUDA allocated/reserved counters reset per stage."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.allocated = 0
+        self.reserved = 0
+
+    @contextmanager
+    def track(self) -> Iterator["PeakMemory"]:
+        if self.device == "cuda":
+            # What the previous stage left to the garbage collector (reference cycles
+            # holding CUDA tensors: a decoder's KV cache, a graph's pool) must not
+            # count against this stage, nor stay allocated while it runs.
+            gc.collect()
+            torch.cuda.synchronize()
+            # cuBLAS keeps a workspace per (handle, stream) it has seen, also for streams
+            # a finished stage created and dropped; the next GEMM re-creates the one it needs.
+            getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            yield self
+        finally:
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+                self.allocated = torch.cuda.max_memory_allocated()
+                self.reserved = torch.cuda.max_memory_reserved()
+            else:
+                self.allocated = _max_rss_bytes()
+
+
+def _max_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

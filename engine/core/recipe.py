@@ -1,0 +1,253 @@
+"""Recipes: flat YAML decoded into strict msgspec Structs.
+
+An unknown key, a wrong type or an out-of-range value is one `RecipeError`
+line naming the key path (`models.student.lora.r`) and what was expected.
+`auto` values stay `auto` here; preflight resolves them and records why.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+import yaml
+
+from miniverl.engine.core.errors import RecipeError
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Probability = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0.0)]
+
+BUILTIN_PREFIX = "miniverl-builtin/"
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    pass
+
+
+class LoraSpec(_Strict):
+    r: Positive = 8
+    alpha: PositiveFloat = 16.0
+    dropout: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
+    target_modules: list[str] = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+class TeacherAdapterSpec(_Strict):
+    """A frozen teacher adapter for shared_backbone, with the base it was trained on."""
+
+    path: str
+    base_id: str
+    base_revision: str | None = None
+    sha256: str | None = None
+
+
+class StudentSpec(_Strict):
+    id: str
+    revision: str | None = None
+    path: str | None = None
+    quantization: Literal["nf4", "none"] = "none"
+    lora: LoraSpec = msgspec.field(default_factory=LoraSpec)
+
+
+class TeacherSpec(_Strict):
+    id: str
+    revision: str | None = None
+    path: str | None = None
+    adapter: TeacherAdapterSpec | None = None
+
+
+class ModelsSpec(_Strict, kw_only=True):
+    runtime: Literal["dual_model", "shared_backbone"] = "dual_model"
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    student: StudentSpec
+    teacher: TeacherSpec
+
+
+class OptimizerSpec(_Strict):
+    name: Literal["auto", "adamw", "paged_adamw_8bit"] = "auto"
+    lr: PositiveFloat = 1e-3
+    beta1: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.9
+    beta2: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.999
+    eps: PositiveFloat = 1e-8
+    weight_decay: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    grad_clip: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+
+
+class TrainSpec(_Strict):
+    cycles: Positive = 10
+    rollouts_per_cycle: Positive = 32
+    trajectory_batch_size: Positive = 1
+    # Recompute each student layer in the gradient stage's backward instead of
+    # keeping its activations: less memory, one more forward; same gradient.
+    gradient_checkpointing: bool = False
+
+
+class RolloutSpec(_Strict):
+    max_turns: Positive = 3
+    max_new_tokens_per_turn: Positive = 64
+    max_total_tokens: Positive = 512
+    temperature: PositiveFloat = 1.0
+    top_p: Probability = 1.0
+    generation_batch_size: Positive = 32
+    # auto: the CUDA-graph decode engine on CUDA, the plain forward-pass loop elsewhere;
+    # plain: the loop everywhere (slower; for debugging and for the before/after benchmark).
+    engine: Literal["auto", "plain"] = "auto"
+
+
+class LossRecipe(_Strict):
+    mode: Literal["sampled_kl", "topk_tail", "exact"] = "exact"
+    divergence: Literal["reverse_kl", "forward_kl", "jsd"] = "reverse_kl"
+    jsd_beta: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.5
+    topk: Positive = 16
+    chunk_size: Positive = 256
+
+
+class MemorySpec(_Strict):
+    strategy: Literal["auto", "resident", "swap"] = "auto"
+    min_chunk_size: Positive = 16
+
+
+class TaskSpec(_Strict):
+    name: Literal["calculator"] = "calculator"
+    operand_max: Annotated[int, msgspec.Meta(ge=10, le=10**6)] = 999
+    heldout_size: Positive = 64
+    train_seed: NonNegative = 0
+    heldout_seed: NonNegative = 0
+
+
+class VerifySpec(_Strict):
+    max_new_tokens_per_turn: Positive = 64
+    batch_size: Positive = 64
+    min_tool_call_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
+
+
+class ReportSpec(_Strict):
+    """What `miniverl report` writes besides its HTML page (nothing here changes training)."""
+
+    tensorboard: bool = False  # also write TensorBoard scalars (needs the `tensorboard` package)
+
+
+class Recipe(_Strict, kw_only=True):
+    name: str
+    seed: NonNegative = 0
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    models: ModelsSpec
+    optimizer: OptimizerSpec = msgspec.field(default_factory=OptimizerSpec)
+    train: TrainSpec = msgspec.field(default_factory=TrainSpec)
+    rollout: RolloutSpec = msgspec.field(default_factory=RolloutSpec)
+    loss: LossRecipe = msgspec.field(default_factory=LossRecipe)
+    memory: MemorySpec = msgspec.field(default_factory=MemorySpec)
+    task: TaskSpec = msgspec.field(default_factory=TaskSpec)
+    verify: VerifySpec = msgspec.field(default_factory=VerifySpec)
+    report: ReportSpec = msgspec.field(default_factory=ReportSpec)
+
+
+_PATH_RE = re.compile(r"\s*-\s*at\s*`\$(?P<path>[^`]*)`\s*$")
+_UNKNOWN_RE = re.compile(r"Object contains unknown field `(?P<key>[^`]+)`")
+
+
+def _key_path(raw: str) -> str:
+    return re.sub(r"\[(\d+)\]", r".\1", raw).lstrip(".") or "(top level)"
+
+
+def _recipe_error(exc: msgspec.ValidationError) -> RecipeError:
+    """Turn msgspec's message into 'recipe key a.b.c: problem'."""
+    message = str(exc)
+    match = _PATH_RE.search(message)
+    path = _key_path(match.group("path")) if match else "(top level)"
+    problem = message[: match.start()] if match else message
+    unknown = _UNKNOWN_RE.search(problem)
+    if unknown:
+        key = unknown.group("key") if path == "(top level)" else f"{path}.{unknown.group('key')}"
+        return RecipeError(f"recipe key {key}: unknown key (README.md lists the recipe keys)")
+    problem = problem.replace("Object missing required field", "missing required key")
+    return RecipeError(f"recipe key {path}: {problem.strip()}")
+
+
+def consistency_problems(recipe: Recipe) -> list[str]:
+    """Rules that span several keys, one 'recipe key ...' line per broken rule."""
+    problems = []
+    if recipe.memory.min_chunk_size > recipe.loss.chunk_size:
+        problems.append(
+            f"recipe key memory.min_chunk_size: {recipe.memory.min_chunk_size} is above loss.chunk_size "
+            f"{recipe.loss.chunk_size}; set it to at most the chunk size"
+        )
+    if recipe.rollout.max_new_tokens_per_turn > recipe.rollout.max_total_tokens:
+        problems.append("recipe key rollout.max_new_tokens_per_turn: exceeds rollout.max_total_tokens")
+    runtime = recipe.models.runtime
+    if runtime == "shared_backbone":
+        student, teacher = recipe.models.student, recipe.models.teacher
+        if (student.id, student.revision) != (teacher.id, teacher.revision):
+            problems.append(
+                "recipe key models.runtime: shared_backbone needs student and teacher to name the same base "
+                f"(got {student.id}@{student.revision} and {teacher.id}@{teacher.revision}); use dual_model"
+            )
+        if teacher.adapter is None:
+            problems.append("recipe key models.teacher.adapter: shared_backbone needs a frozen teacher adapter")
+    if recipe.loss.mode == "topk_tail" and recipe.loss.topk < 2:
+        problems.append("recipe key loss.topk: topk_tail needs at least 2 teacher tokens")
+    return problems
+
+
+def _check_consistency(recipe: Recipe) -> None:
+    problems = consistency_problems(recipe)
+    if problems:
+        raise RecipeError(problems[0])
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """YAML 1.1 reads `3e-3` as a string; recipes mean the number (as YAML 1.2 does)."""
+
+
+_RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_recipe_data(text: str, source: str = "recipe") -> dict:
+    """The recipe's YAML as plain data, before any schema check."""
+    try:
+        data = yaml.load(text, Loader=_RecipeLoader)  # a SafeLoader: no Python objects
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise RecipeError(f"{source}: not valid YAML{where}; fix the syntax") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{source}: a recipe is a YAML mapping of keys (name, models, train, ...)")
+    return data
+
+
+def parse_recipe(text: str, source: str = "recipe") -> Recipe:
+    data = load_recipe_data(text, source)
+    try:
+        recipe = msgspec.convert(data, Recipe, strict=True)
+    except msgspec.ValidationError as exc:
+        raise _recipe_error(exc) from None
+    _check_consistency(recipe)
+    return recipe
+
+
+def read_recipe_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError(f"recipe file {path} does not exist; pass the path of a YAML recipe") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"recipe file {path} cannot be read: {exc}") from None
+
+
+def load_recipe(path: Path) -> tuple[Recipe, str]:
+    """The decoded recipe and its exact text (kept verbatim in the run)."""
+    text = read_recipe_text(path)
+    return parse_recipe(text, source=str(path)), text
+
+
+def recipe_to_builtins(recipe: Recipe) -> dict:
+    return msgspec.to_builtins(recipe)

@@ -1,0 +1,135 @@
+"""Loads each model once per process and hands it to the stages that need it.
+
+Only immutable base weights are cached here; the student's adapter is loaded
+from the policy checkpoint by every stage that uses it, so no state passes
+between stages except through files.
+
+Runtimes:
+- `dual_model`: a student base with a trainable LoRA adapter ('default'), and
+  a separate frozen teacher.
+- `shared_backbone`: one base, loaded once, carrying the trainable student
+  adapter ('default') and a frozen teacher adapter ('teacher'). `teacher()`
+  returns a view whose forward switches to the teacher adapter and back.
+
+Memory strategies: `resident` keeps everything on the GPU; `swap` moves an
+unquantized model that the current stage does not use to CPU memory and
+returns the freed blocks to the driver. bitsandbytes (NF4) models never move.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from miniverl.engine.core.device import torch_dtype
+from miniverl.engine.core.errors import IncompatibleModelsError
+from miniverl.engine.models.loading import (
+    TEACHER_ADAPTER,
+    AdapterView,
+    TeacherAdapter,
+    adapter_parameters,
+    attach_lora,
+    check_teacher_adapter,
+    decoder_and_head,
+    is_quantized,
+    load_adapter_state,
+    load_causal_lm,
+    load_teacher_adapter,
+    load_tokenizer,
+    locate_model,
+)
+from miniverl.engine.core.recipe import Recipe
+from miniverl.engine.core.seeding import derive_seed
+
+
+class ModelHost:
+    def __init__(self, recipe: Recipe, device: str, dtype: str, memory_strategy: str):
+        self.recipe = recipe
+        self.device = device
+        self.dtype = torch_dtype(dtype)
+        self.swap = memory_strategy == "swap" and device != "cpu"
+        self.shared = recipe.models.runtime == "shared_backbone"
+        self._student = None
+        self._teacher = None
+        self._tokenizer = None
+        s, t = recipe.models.student, recipe.models.teacher
+        self.student_dir: Path = locate_model("student", s.id, s.revision, s.path)
+        self.teacher_dir: Path = locate_model("teacher", t.id, t.revision, t.path)
+        self.teacher_adapter: TeacherAdapter | None = None
+        if self.shared:
+            if self.teacher_dir.resolve() != self.student_dir.resolve():
+                raise IncompatibleModelsError(
+                    f"recipe key models.teacher.path: shared_backbone loads one base, but the student resolves to "
+                    f"{self.student_dir} and the teacher to {self.teacher_dir}; name the same directory or use dual_model")
+            self.teacher_adapter = check_teacher_adapter(t.adapter, s.id, s.revision)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.student_dir)
+        return self._tokenizer
+
+    @property
+    def vocab_limit(self) -> int:
+        return len(self.tokenizer)
+
+    def _student_model(self) -> torch.nn.Module:
+        if self._student is None:
+            spec = self.recipe.models.student
+            base = load_causal_lm(self.student_dir, self.dtype, self.device, nf4=spec.quantization == "nf4")
+            self._student = attach_lora(base, spec.lora, derive_seed(self.recipe.seed, 0, "lora-init"))
+        return self._student
+
+    def student(self, adapter_state: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
+        """The student with the given adapter weights loaded (on the compute device)."""
+        student = self._student_model()
+        self._place(student, self._teacher_module())
+        if adapter_state is not None:
+            load_adapter_state(student, adapter_state)
+        return student
+
+    def teacher(self):
+        """The frozen teacher: a model, or for shared_backbone a view of the base with the teacher adapter."""
+        if self.shared:
+            student = self._student_model()
+            if self._teacher is None:
+                load_teacher_adapter(student, self.teacher_adapter)
+                self._teacher = AdapterView(student, TEACHER_ADAPTER)
+            return self._teacher
+        if self._teacher is None:
+            self._teacher = load_causal_lm(self.teacher_dir, self.dtype, self.device)
+        self._place(self._teacher, self._student)
+        return self._teacher
+
+    def teacher_head(self) -> torch.Tensor:
+        """The teacher's LM head weight [V, H] on the compute device, for stages that need only the head.
+
+        Under `swap` the teacher body stays in CPU memory and only the head is
+        copied over for the stage (freed when the stage drops it).
+        """
+        if self.shared or not self.swap:
+            return decoder_and_head(self.teacher())[1]
+        if self._teacher is None:  # first use in this process: straight to CPU memory
+            self._teacher = load_causal_lm(self.teacher_dir, self.dtype, "cpu")
+        return decoder_and_head(self._teacher)[1].detach().to(self.device)
+
+    def initial_adapter(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().clone() for name, p in adapter_parameters(self.student()).items()}
+
+    def _teacher_module(self) -> torch.nn.Module | None:
+        return None if self.shared else self._teacher
+
+    def _place(self, wanted: torch.nn.Module, other: torch.nn.Module | None) -> None:
+        """Swap strategy: the model in use goes to the GPU, an unquantized other one to CPU memory."""
+        if not self.swap:
+            return
+        if other is not None and not is_quantized(other) and _on_device(other, "cuda"):
+            other.to("cpu")
+            torch.cuda.empty_cache()  # give the blocks back, so the memory is free for the driver too
+        if not is_quantized(wanted) and not _on_device(wanted, "cuda"):
+            wanted.to(self.device)
+
+
+def _on_device(model: torch.nn.Module, kind: str) -> bool:
+    return next(model.parameters()).device.type == kind

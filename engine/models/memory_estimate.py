@@ -1,0 +1,248 @@
+"""An analytic memory estimate per stage, from the model configs and the recipe budgets.
+
+Nothing is loaded: parameter counts come from `config.json` (cross-checked
+against the safetensors headers when the weights are on disk), and every term
+is a product of sizes the recipe fixes. It is an estimate to catch a recipe
+that cannot fit, not a promise that one will; only a real run proves the fit.
+
+    weights      params x bytes per dtype; an NF4 student ~0.5 byte per linear
+                 weight + double-quantized absmax (~1/64 byte), the rest in dtype
+    adapter      LoRA params (fp32) [+ grads] [+ the optimizer's fp32 copy and its
+                 moments: AdamW 8 bytes/param, paged 8-bit AdamW 2 bytes/param]
+    KV cache     layers x kv_heads x head_dim x 2 (K and V) x bytes x tokens x batch
+    activations  the tokens x widths a forward keeps (all layers when a backward follows)
+    chunk        loss.chunk_size (or a sampling batch) x vocab x 4 bytes x temporaries (8 bytes, plus
+                 float64 copies of the heads, for a float32 model)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from miniverl.engine.core.recipe import Recipe
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes + 8-bit absmax per 64 + fp32 per 256 absmax
+FP32 = 4
+# What the process needs besides tensors: the CUDA context, or Python with torch and transformers imported.
+RUNTIME_OVERHEAD = {"cuda": 512 * 2**20, "cpu": 768 * 2**20}
+LOSS_TEMPORARIES = {"exact": 6, "sampled_kl": 4, "topk_tail": 4}  # student logits, log-softmax, probs, grad (+ teacher's two)
+SAMPLING_TEMPORARIES = 3  # logits, softmax, sorted copy for top-p
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    tied: bool
+    qk_norm: bool  # Qwen3 normalises q and k per head
+    qkv_bias: bool  # Qwen2 has biases on q, k and v
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each projection of one layer, by module name."""
+        h, i = self.hidden, self.intermediate
+        return {
+            "q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
+            "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        }
+
+
+def model_shape(config: dict[str, Any]) -> ModelShape:
+    config = config.get("text_config", config)  # multimodal wrappers keep the LM under text_config
+    heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    model_type = str(config.get("model_type", ""))
+    return ModelShape(
+        vocab=int(config["vocab_size"]),
+        hidden=hidden,
+        layers=int(config["num_hidden_layers"]),
+        heads=heads,
+        kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads),
+        intermediate=int(config["intermediate_size"]),
+        tied=bool(config.get("tie_word_embeddings", False)),
+        qk_norm=model_type.startswith("qwen3"),
+        qkv_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+    )
+
+
+def parameter_counts(shape: ModelShape) -> tuple[int, int]:
+    """(all parameters, those in the per-layer linear weights that NF4 quantizes)."""
+    linear = shape.layers * sum(a * b for a, b in shape.linear_shapes().values())
+    per_layer_small = 2 * shape.hidden  # input and post-attention norms
+    per_layer_small += 2 * shape.head_dim if shape.qk_norm else 0
+    per_layer_small += (shape.q_dim + 2 * shape.kv_dim) if shape.qkv_bias else 0
+    embeddings = shape.vocab * shape.hidden * (1 if shape.tied else 2)
+    total = linear + shape.layers * per_layer_small + shape.hidden + embeddings
+    return total, linear
+
+
+def lora_parameters(shape: ModelShape, target_modules: list[str], r: int) -> int:
+    """r x (in + out) for each targeted projection of each layer (A is r x in, B is out x r)."""
+    shapes = shape.linear_shapes()
+    return shape.layers * sum(r * (shapes[m][0] + shapes[m][1]) for m in target_modules if m in shapes)
+
+
+def checkpoint_tensors(model_dir: Path) -> dict[str, int] | None:
+    """Tensor name -> element count from the safetensors headers (no weights read); None without them."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        return None
+    counts: dict[str, int] = {}
+    for file in files:
+        with file.open("rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        for name, info in header.items():
+            if name != "__metadata__":
+                elements = 1
+                for dim in info["shape"]:
+                    elements *= dim
+                counts[name] = elements
+    return counts
+
+
+# ---------------------------------------------------------------- free memory
+def _meminfo(key: str) -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def available_ram() -> int | None:
+    found = _meminfo("MemAvailable")
+    if found is None:
+        try:
+            import psutil
+
+            found = int(psutil.virtual_memory().available)
+        except ImportError:
+            return None
+    return found
+
+
+def total_ram() -> int | None:
+    found = _meminfo("MemTotal")
+    if found is None:
+        try:
+            found = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return found
+
+
+def free_memory(device: str) -> tuple[int | None, str]:
+    """Bytes free for this run on `device`, and where the figure comes from."""
+    if device == "cuda":
+        import torch
+
+        free, total = torch.cuda.mem_get_info(0)
+        return int(free), f"CUDA free memory on {torch.cuda.get_device_name(0)} ({total / 2**30:.1f} GiB total)"
+    return available_ram(), "available RAM (MemAvailable)"
+
+
+# ---------------------------------------------------------------- per stage
+@dataclass(frozen=True)
+class StageEstimate:
+    stage: str
+    weights: int
+    adapter: int
+    kv_cache: int
+    activations: int
+    chunk_tensors: int
+    runtime: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.adapter + self.kv_cache + self.activations + self.chunk_tensors + self.runtime
+
+    def as_dict(self) -> dict[str, int | str]:
+        return {**asdict(self), "total": self.total}
+
+
+def estimate(recipe: Recipe, student: ModelShape, teacher: ModelShape, device: str, dtype: str,
+             optimizer: str, strategy: str) -> list[StageEstimate]:
+    b = DTYPE_BYTES[dtype]
+    s_total, s_linear = parameter_counts(student)
+    t_total, _ = parameter_counts(teacher)
+    nf4 = recipe.models.student.quantization == "nf4"
+    student_w = int(s_linear * NF4_BYTES_PER_PARAM + (s_total - s_linear) * b) if nf4 else s_total * b
+    teacher_w = t_total * b
+    lora = lora_parameters(student, recipe.models.student.lora.target_modules, recipe.models.student.lora.r) * FP32
+    moments = 2 if optimizer == "paged_adamw_8bit" else 8  # bytes per parameter for the two moments
+    swap = strategy == "swap" and device == "cuda"
+
+    def weights(*used: str) -> int:
+        """Resident: both models stay on the device; swap: only the ones this stage uses (NF4 never moves)."""
+        if not swap:
+            return student_w + teacher_w
+        return (student_w if "student" in used or nf4 else 0) + (teacher_w if "teacher" in used else 0)
+
+    r, train, v = recipe.rollout, recipe.train, recipe.verify
+    tokens = r.max_total_tokens
+    rollout_batch = min(r.generation_batch_size, train.rollouts_per_cycle)
+    verify_batch = min(v.batch_size, recipe.task.heldout_size)
+    micro = train.trajectory_batch_size
+    chunk = recipe.loss.chunk_size
+
+    def kv(shape: ModelShape, batch: int) -> int:
+        return shape.layers * shape.kv_heads * shape.head_dim * 2 * b * tokens * batch
+
+    def one_layer(shape: ModelShape, batch: int) -> int:
+        """A no-grad forward frees each layer's tensors before the next: one layer's worth is live."""
+        return batch * tokens * (4 * shape.hidden + 2 * shape.intermediate) * b
+
+    def all_layers(shape: ModelShape, batch: int) -> int:
+        """A backward needs every layer's inputs: norms, q/k/v, attention output, the MLP's three.
+
+        With gradient checkpointing only each layer's input is kept, plus one layer recomputed at a time."""
+        per_token = 4 * shape.hidden + 2 * shape.q_dim + 2 * shape.kv_dim + 3 * shape.intermediate
+        if train.gradient_checkpointing:
+            return batch * tokens * (shape.layers * shape.hidden + per_token) * b
+        return batch * tokens * shape.layers * per_token * b
+
+    def sampling(shape: ModelShape, batch: int) -> int:
+        return batch * shape.vocab * FP32 * SAMPLING_TEMPORARIES
+
+    teacher_chunk = 0 if recipe.loss.mode == "exact" else chunk * teacher.vocab * FP32 * 3
+    exact = recipe.loss.mode == "exact"
+    # A float32 model's loss logits are float64, from float64 copies of the heads (losses._chunk_logits).
+    loss_bytes = 2 * FP32 if b == FP32 else FP32
+    head_copies = (student.vocab * student.hidden + (teacher.vocab * teacher.hidden if exact else 0)) * 2 * FP32 \
+        if b == FP32 else 0
+    overhead = RUNTIME_OVERHEAD[device]
+    return [
+        StageEstimate("preflight", student_w + teacher_w, lora, 0, 0, 0, overhead),
+        StageEstimate("verify", weights("student"), lora, kv(student, verify_batch),
+                      one_layer(student, verify_batch), sampling(student, verify_batch), overhead),
+        StageEstimate("rollout", weights("student"), lora, kv(student, rollout_batch),
+                      one_layer(student, rollout_batch), sampling(student, rollout_batch), overhead),
+        StageEstimate("teacher_score", weights("teacher"), lora, 0, one_layer(teacher, micro), teacher_chunk, overhead),
+        StageEstimate("gradient", weights("student", "teacher") if exact else weights("student"), 2 * lora, 0,
+                      all_layers(student, micro),
+                      chunk * student.vocab * loss_bytes * LOSS_TEMPORARIES[recipe.loss.mode] + head_copies,
+                      overhead),
+        StageEstimate("optimizer_step", weights("student"), 3 * lora + lora // FP32 * moments, 0, 0, 0, overhead),
+    ]

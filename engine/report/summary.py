@@ -1,0 +1,138 @@
+"""What a run measured, gathered once for `report` and `export-benchmark`.
+
+Everything comes from files the journal vouches for: an artifact is read only
+if its stage is done, and its bytes must match the hash the journal recorded.
+A run that is not finished yields what it has so far.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from miniverl.engine.core.artifacts import Gradient, Rollout, Trajectory, VerifyReport, read_artifact
+from miniverl.engine.core.errors import MiniverlError
+from miniverl.engine.core.recipe import Recipe
+from miniverl.engine.core.rundir import RunDir
+from miniverl.engine.report.runs_table import RunRow, run_row, stage_order
+
+
+@dataclass(frozen=True)
+class CycleFigures:
+    cycle: int
+    loss: float | None
+    kl: float | None
+    tool_call_rate: float | None  # over this cycle's rollout
+    rollout_success: float | None
+    generated_tokens: int | None
+    rollout_seconds: float | None
+    chunk_size: int | None
+    oom_retries: int
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        if not self.generated_tokens or not self.rollout_seconds:
+            return None
+        return self.generated_tokens / self.rollout_seconds
+
+
+@dataclass(frozen=True)
+class StageFigures:
+    stage: str
+    state: str
+    seconds: float | None
+    peak_memory_bytes: int | None
+    attempts: int
+
+
+@dataclass
+class RunSummary:
+    run: RunDir
+    recipe: Recipe
+    row: RunRow
+    cycles: list[CycleFigures]
+    stages: list[StageFigures]
+    verify: dict[str, VerifyReport]  # baseline | final
+    rollouts: dict[int, Rollout]
+    manifest: dict[str, Any] | None
+    device: str | None  # as preflight resolved it (resolved.json)
+    missing: list[str] = field(default_factory=list)  # artifacts that could not be read, and why
+
+    def trajectories(self, per_cycle: int) -> list[tuple[int, Trajectory]]:
+        """A few trajectories of the first and the last cycle rolled out."""
+        if not self.rollouts:
+            return []
+        picked = sorted({min(self.rollouts), max(self.rollouts)})
+        return [(c, t) for c in picked for t in self.rollouts[c].trajectories[:per_cycle]]
+
+
+def _read(run: RunDir, journal, stage_id: str, relative: str, kind, missing: list[str]):
+    record = journal.stages.get(stage_id)
+    if record is None or record.state != "done" or relative not in record.outputs:
+        return None
+    try:
+        return read_artifact(run.root / relative, kind, record.outputs[relative])
+    except MiniverlError as exc:
+        missing.append(str(exc))
+        return None
+
+
+def _rate(values: list[bool]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def summarize(run: RunDir, recipe: Recipe) -> RunSummary:
+    journal = run.read_journal()
+    missing: list[str] = []
+    cycles, rollouts = [], {}
+    for c in range(recipe.train.cycles):
+        rollout = _read(run, journal, f"c{c:06d}/rollout", f"{run.cycle_dir(c)}/rollout.msgpack", Rollout, missing)
+        grad = _read(run, journal, f"c{c:06d}/gradient", f"{run.cycle_dir(c)}/gradient.msgpack", Gradient, missing)
+        if rollout is None and grad is None:
+            continue
+        if rollout is not None:
+            rollouts[c] = rollout
+        trajectories = rollout.trajectories if rollout is not None else []
+        record = journal.stages.get(f"c{c:06d}/rollout")
+        cycles.append(CycleFigures(
+            cycle=c,
+            loss=grad.loss if grad else None,
+            kl=grad.kl if grad else None,
+            tool_call_rate=_rate([t.tool_called for t in trajectories]),
+            rollout_success=_rate([t.strict_success for t in trajectories]),
+            generated_tokens=rollout.generated_tokens if rollout else None,
+            rollout_seconds=record.seconds if record is not None and record.state == "done" else None,
+            chunk_size=grad.chunk_size if grad else None,
+            oom_retries=sum(1 for a in grad.attempts if not a.ok) if grad else 0,
+        ))
+    verify = {}
+    for label, relative in (("baseline", "verify/baseline.msgpack"), ("final", "verify/report.msgpack")):
+        report = _read(run, journal, f"verify@{label}", relative, VerifyReport, missing)
+        if report is not None:
+            verify[label] = report
+    stages = [StageFigures(key, rec.state, rec.seconds, rec.peak_memory_bytes, rec.attempts)
+              for key, rec in sorted(journal.stages.items(), key=lambda item: stage_order(item[0]))]
+    try:
+        manifest = json.loads((run.root / "manifest.json").read_text())
+    except (OSError, ValueError):
+        manifest = None
+    try:
+        device = json.loads((run.root / "resolved.json").read_text())["resolved"]["device"]["value"]
+    except (OSError, ValueError, KeyError, TypeError):
+        device = None
+    return RunSummary(run, recipe, run_row(run), cycles, stages, verify, rollouts, manifest, device, missing)
+
+
+def stage_totals(stages: list[StageFigures]) -> dict[str, dict[str, float | int]]:
+    """Per stage name (cycles folded together): total seconds, peak memory, count."""
+    totals: dict[str, dict[str, float | int]] = {}
+    for s in stages:
+        if s.state != "done":
+            continue
+        name = s.stage.split("/", 1)[-1]
+        entry = totals.setdefault(name, {"seconds": 0.0, "peak_memory_bytes": 0, "count": 0})
+        entry["seconds"] += s.seconds or 0.0
+        entry["peak_memory_bytes"] = max(entry["peak_memory_bytes"], s.peak_memory_bytes or 0)
+        entry["count"] += 1
+    return totals

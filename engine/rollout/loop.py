@@ -1,0 +1,129 @@
+"""The multi-turn episode loop every decoding engine shares.
+
+An `Episode` is one trajectory in progress; `ToolLoop` is the turn bookkeeping
+that runs after each model token: it closes a turn at the end-of-turn token,
+parses the tool call, runs the tool and queues its response as forced tokens
+(provenance `tool`, never a training target), and ends the episode on a final
+answer or a budget. `select_next` samples (or picks greedily) and returns the
+log-prob under the distribution actually sampled from. Engines only decide how
+the forward passes are batched; what a token means is decided here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from miniverl.engine.core.artifacts import PROVENANCE_MODEL, PROVENANCE_PROMPT, PROVENANCE_TOOL
+from miniverl.engine.models.loading import cache_kwarg
+from miniverl.engine.tasks.calculator import TOOL_RESPONSE_TEMPLATE, CalcTask, judge, parse_tool_calls, render_prompt, tool_response
+
+
+@dataclass(frozen=True)
+class SamplingPolicy:
+    greedy: bool
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class Budget:
+    max_turns: int
+    max_new_tokens_per_turn: int
+    max_total_tokens: int
+
+
+@dataclass
+class Episode:
+    task: CalcTask
+    token_ids: list[int]
+    provenance: list[int]
+    pending: deque[tuple[int, int]]  # forced (token, provenance) still to feed
+    sampling_logprobs: list[float] = field(default_factory=list)
+    turn_tokens: list[int] = field(default_factory=list)
+    turns: list[str] = field(default_factory=list)
+    tool_results: list[tuple[str, bool]] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str = ""
+
+    def verdict(self):
+        return judge(self.task, self.turns, self.tool_results, self.finish_reason == "stop")
+
+
+def select_next(logits_RV: torch.Tensor, policy: SamplingPolicy, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens and their log-probs under the distribution actually sampled from."""
+    logits_RV = logits_RV.float()
+    if policy.greedy:
+        logprobs_RV = torch.log_softmax(logits_RV, dim=-1)
+        tokens_R = logits_RV.argmax(dim=-1)
+        return tokens_R, logprobs_RV.gather(1, tokens_R[:, None])[:, 0]
+    logits_RV = logits_RV / policy.temperature
+    if policy.top_p < 1.0:
+        # Keep the smallest set of tokens whose probability reaches top_p.
+        sorted_logits, order = logits_RV.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative - sorted_logits.softmax(dim=-1) >= policy.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits_RV = logits_RV.masked_fill(drop, float("-inf"))
+    logprobs_RV = torch.log_softmax(logits_RV, dim=-1)
+    tokens_R = torch.multinomial(logprobs_RV.exp(), 1, generator=generator)[:, 0]
+    return tokens_R, logprobs_RV.gather(1, tokens_R[:, None])[:, 0]
+
+
+class ToolLoop:
+    """Turn bookkeeping shared by every engine: what happens after a model token."""
+
+    def __init__(self, tokenizer, budget: Budget):
+        self.tokenizer = tokenizer
+        self.budget = budget
+        self.end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def start(self, task: CalcTask) -> Episode:
+        ids = self.tokenizer(render_prompt(self.tokenizer, task), add_special_tokens=False).input_ids
+        return Episode(task, [], [], deque((t, PROVENANCE_PROMPT) for t in ids))
+
+    def feed_forced(self, episode: Episode) -> int:
+        token, provenance = episode.pending.popleft()
+        episode.token_ids.append(token)
+        episode.provenance.append(provenance)
+        return token
+
+    def feed_sampled(self, episode: Episode, token: int, logprob: float) -> None:
+        episode.token_ids.append(token)
+        episode.provenance.append(PROVENANCE_MODEL)
+        episode.sampling_logprobs.append(logprob)
+        episode.turn_tokens.append(token)
+        if token == self.end_of_turn:
+            self._end_turn(episode)
+        elif len(episode.turn_tokens) >= self.budget.max_new_tokens_per_turn or len(episode.token_ids) >= self.budget.max_total_tokens:
+            self._close_turn(episode)
+            self._finish(episode, "length")
+
+    def _close_turn(self, episode: Episode) -> str:
+        text = self.tokenizer.decode(episode.turn_tokens, skip_special_tokens=False)
+        episode.turns.append(text)
+        episode.turn_tokens = []
+        return text
+
+    def _end_turn(self, episode: Episode) -> None:
+        calls = parse_tool_calls(self._close_turn(episode))
+        if not calls:
+            self._finish(episode, "stop")
+            return
+        result = tool_response(calls[0])
+        episode.tool_results.append(result)
+        if len(episode.turns) >= self.budget.max_turns:
+            self._finish(episode, "max_turns")
+            return
+        response = self.tokenizer(TOOL_RESPONSE_TEMPLATE.format(result=result[0]), add_special_tokens=False).input_ids
+        if len(episode.token_ids) + len(response) >= self.budget.max_total_tokens:
+            self._finish(episode, "length")
+            return
+        episode.pending.extend((t, PROVENANCE_TOOL) for t in response)
+
+    @staticmethod
+    def _finish(episode: Episode, reason: str) -> None:
+        episode.finished = True
+        episode.finish_reason = reason

@@ -1,0 +1,141 @@
+"""The embedded tiny models: configs, construction and where they are shipped.
+
+Three Qwen3 models, built from a config (no downloads) and trained on a CPU by
+`miniverl.engine.tiny.train`, stand in for the real teacher/student pair:
+
+- ``protocol_teacher``: calls the calculator with the question's expression,
+  then answers by copying the tool result (the behaviour to distil).
+- ``raw_teacher``: same size, answers directly and never calls the tool (the
+  negative control: distilling from it must not teach tool use).
+- ``student_base``: smaller; answers directly and never calls the tool, but
+  was pretrained on the protocol, so a small LoRA adapter recovers tool use.
+
+All share the tokenizer in ``assets/tiny/tokenizer`` (397 tokens). The
+embedding is padded to ``padded_vocab_size(397) == 448`` rows, as Qwen3 pads
+its own; the padded rows are zero at construction, never receive a gradient
+(training masks their logits to -inf) and are suppressed at generation time
+(`PADDED_TOKEN_IDS`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miniverl.engine.tiny.tokenizer import padded_vocab_size
+
+TINY_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny"
+TOKENIZER_NAME = "tokenizer"
+MODEL_NAMES = ("protocol_teacher", "raw_teacher", "student_base")
+TOKENIZER_SIZE = 397
+MODEL_VOCAB_SIZE = padded_vocab_size(TOKENIZER_SIZE)  # 448
+PADDED_TOKEN_IDS = tuple(range(TOKENIZER_SIZE, MODEL_VOCAB_SIZE))
+ATTN_IMPLEMENTATION = "sdpa"
+MAX_POSITION_EMBEDDINGS = 512
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+
+
+TEACHER_SPEC = TinySpec(
+    hidden_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=384,
+)
+STUDENT_SPEC = TinySpec(
+    hidden_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=24,
+    intermediate_size=256,
+)
+SPECS: dict[str, TinySpec] = {
+    "protocol_teacher": TEACHER_SPEC,
+    "raw_teacher": TEACHER_SPEC,
+    "student_base": STUDENT_SPEC,
+}
+
+
+def asset_dir(name: str) -> Path:
+    """Directory of one shipped asset: a model name or ``"tokenizer"``."""
+    if name != TOKENIZER_NAME and name not in MODEL_NAMES:
+        raise ValueError(f"unknown tiny asset {name!r}; expected one of {(TOKENIZER_NAME, *MODEL_NAMES)}")
+    return TINY_DIR / name
+
+
+def load_tokenizer(path: Path | str | None = None) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path or asset_dir(TOKENIZER_NAME)))
+    if len(tokenizer) != TOKENIZER_SIZE:
+        raise ValueError(f"tiny tokenizer has {len(tokenizer)} tokens, expected {TOKENIZER_SIZE}")
+    return tokenizer
+
+
+def build_config(spec: TinySpec, tokenizer: Any) -> Any:
+    from transformers import Qwen3Config
+
+    pad_id = tokenizer.pad_token_id  # <|endoftext|>
+    config = Qwen3Config(
+        vocab_size=MODEL_VOCAB_SIZE,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        tie_word_embeddings=True,
+        # Qwen3 uses <|endoftext|> as bos and pad; the tiny tokenizer has no bos token.
+        bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else pad_id,
+        eos_token_id=tokenizer.eos_token_id,  # <|im_end|>
+        pad_token_id=pad_id,
+        rms_norm_eps=1e-6,
+        use_sliding_window=False,
+        attention_dropout=0.0,
+        **asdict(spec),
+    )
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    return config
+
+
+def build_model(spec: TinySpec, tokenizer: Any, seed: int) -> Any:
+    """A freshly initialised float32 model; padded embedding rows are zero."""
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(build_config(spec, tokenizer)).float()
+    with torch.no_grad():
+        model.get_input_embeddings().weight[TOKENIZER_SIZE:].zero_()
+    if model.get_output_embeddings().weight.data_ptr() != model.get_input_embeddings().weight.data_ptr():
+        raise AssertionError("tiny models must tie their word embeddings")
+    return model
+
+
+def load_model(name: str, path: Path | str | None = None) -> Any:
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(str(path or asset_dir(name)), attn_implementation=ATTN_IMPLEMENTATION)
+    return model.float().eval()
+
+
+def parameter_count(model: Any) -> int:
+    """Distinct parameters (the tied embedding counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def masked_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Padded vocabulary rows can never be predicted."""
+    return logits.masked_fill(torch.arange(logits.shape[-1]) >= TOKENIZER_SIZE, float("-inf"))

@@ -1,0 +1,89 @@
+"""Resume after a real SIGKILL inside every stage gives the uninterrupted result, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+
+from support import SMALL, manifest, miniverl, recipe_dict, write_recipe
+
+# One kill point inside each of the seven stages; the instants between a stage's
+# outputs and its journal entry; during the optimizer step; and inside the writes
+# of every kind of file (`write:NAME[#K]`: the K-th write of NAME is killed after
+# its new bytes are fsynced to the temporary file, before the rename).
+KILL_POINTS = [
+    "preflight:start",
+    "checkpoint0:after-adapter",
+    "verify@baseline:start",
+    "c000000/rollout:start",
+    "c000000/rollout:before-journal",
+    "c000000/teacher_score:start",
+    "c000001/teacher_score:before-journal",
+    "c000000/gradient:compute",
+    "c000001/gradient:before-journal",
+    "c000000/optimizer_step:after-update",
+    "checkpoint2:after-adapter",
+    "c000001/optimizer_step:before-journal",
+    "verify@final:start",
+    "manifest:start",
+    "manifest:before-journal",
+    "write:resolved.json",
+    "write:preflight.msgpack",
+    "write:journal.msgpack#3",
+    "write:baseline.msgpack",
+    "write:rollout.msgpack#2",
+    "write:teacher_score.safetensors",
+    "write:teacher_score.msgpack#2",
+    "write:gradient.safetensors#2",
+    "write:gradient.msgpack",
+    "write:adapter.safetensors#2",
+    "write:optimizer.safetensors#2",
+    "write:checkpoint.msgpack#3",
+    "write:report.msgpack",
+    "write:manifest.json",
+]
+
+METRICS = ("adapter_sha256",)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    recipe = write_recipe(tmp, recipe_dict(**SMALL))
+    done = miniverl("run", str(recipe), "--run-id", "ref", "--runs-dir", str(tmp / "runs"))
+    assert done.returncode == 0, done.stderr
+    return recipe, manifest(tmp / "runs", "ref")
+
+
+def _comparable(document: dict) -> dict:
+    return {
+        "adapter_sha256": document["adapter_sha256"],
+        "cycles": [{k: c[k] for k in ("loss", "kl", "positions", "grad_norm")} for c in document["cycles"]],
+        "verify": document["verify"],
+        "verify_baseline": document["verify_baseline"],
+        "quality_gate": document["quality_gate"],
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_sigkill_then_resume_is_bit_identical(point, reference, tmp_path):
+    recipe, expected = reference
+    runs = tmp_path / "runs"
+    killed = miniverl("run", str(recipe), "--run-id", "r", "--runs-dir", str(runs),
+                      env={"MINIVERL_FAULT_KILL_AT": point})
+    assert killed.returncode == -9, f"the kill point {point} was never reached:\n{killed.stderr[-2000:]}"
+    assert not (runs / "r" / "manifest.json").exists() or point.startswith("manifest:before")
+    resumed = miniverl("resume", "r", "--runs-dir", str(runs))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert _comparable(manifest(runs, "r")) == _comparable(expected)
+
+
+def test_resume_of_a_finished_run_changes_nothing(reference, tmp_path):
+    recipe, expected = reference
+    runs = tmp_path / "runs"
+    assert miniverl("run", str(recipe), "--run-id", "r", "--runs-dir", str(runs)).returncode == 0
+    before = (runs / "r" / "manifest.json").read_bytes()
+    again = miniverl("resume", "r", "--runs-dir", str(runs))
+    assert again.returncode == 0, again.stderr
+    assert (runs / "r" / "manifest.json").read_bytes() == before
+    assert _comparable(manifest(runs, "r")) == _comparable(expected)

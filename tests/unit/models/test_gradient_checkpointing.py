@@ -1,0 +1,62 @@
+"""train.gradient_checkpointing recomputes the student's layers in the backward: same gradient, less memory.
+
+On CPU in float32 the recomputation is the same arithmetic, so the gradient
+must match the plain backward to rounding; afterwards the student is back to
+a plain eval model (no checkpointing, no hook on its embeddings), so the next
+no-grad stage is unaffected.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+import yaml
+
+from support import SMALL, recipe_dict
+from miniverl.engine.models.loading import base_model
+from miniverl.engine.core.progress import Reporter
+from miniverl.engine.core.recipe import parse_recipe
+from miniverl.engine.run.commands import prepare
+from miniverl.stages import gradient, rollout, teacher_score
+
+QUIET = Reporter(enabled=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    """Randomly initialised models of the tiny shapes (the trained assets are not needed here)."""
+    from miniverl.engine.tiny.models import STUDENT_SPEC, TEACHER_SPEC, asset_dir, build_model, load_tokenizer
+    from miniverl.engine.tiny.train import save_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    tokenizer = load_tokenizer()
+    for name, spec, seed in (("student", STUDENT_SPEC, 1), ("teacher", TEACHER_SPEC, 2)):
+        save_model(build_model(spec, tokenizer, seed), asset_dir("tokenizer"), root / name)
+    return root
+
+
+def test_checkpointing_gives_the_same_gradient(tiny_dirs):
+    data = recipe_dict(**{**SMALL, "train.rollouts_per_cycle": 4, "train.trajectory_batch_size": 2,
+                          "models.student.id": "test/student", "models.student.path": str(tiny_dirs / "student"),
+                          "models.teacher.id": "test/teacher", "models.teacher.path": str(tiny_dirs / "teacher")})
+    recipe = parse_recipe(yaml.safe_dump(data))
+    assert recipe.train.gradient_checkpointing is False  # the default; tiny_calc leaves it off
+    host = prepare(recipe)
+    adapter = host.initial_adapter()
+    gen = torch.Generator().manual_seed(0)
+    adapter = {n: t + 0.05 * torch.randn(t.shape, generator=gen) if "lora_B" in n else t for n, t in adapter.items()}
+    trajectories = rollout.run(recipe, host, adapter, "test", 0, QUIET)
+    _, scores = teacher_score.run(recipe, host, trajectories, QUIET)
+    results = {}
+    for enabled in (False, True):
+        variant = msgspec.structs.replace(recipe, train=msgspec.structs.replace(recipe.train, gradient_checkpointing=enabled))
+        grads, stats, *_ = gradient.run(variant, host, trajectories, scores, adapter, QUIET)
+        results[enabled] = (torch.cat([grads[n].flatten() for n in sorted(grads)]), stats.loss_sum)
+        causal = base_model(host.student())
+        assert not causal.training and not getattr(causal, "_require_grads_hooks", None)
+        assert not any(getattr(m, "gradient_checkpointing", False) for m in causal.modules())
+    plain, checkpointed = results[False][0], results[True][0]
+    assert plain.norm() > 0
+    assert float((checkpointed - plain).norm() / plain.norm()) <= 1e-6
+    assert results[True][1] == pytest.approx(results[False][1], rel=1e-6)

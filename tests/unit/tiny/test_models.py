@@ -1,0 +1,94 @@
+"""The shipped tiny models: config facts and a quick greedy behaviour check."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from miniverl.engine.tasks.calculator import make_tasks  # noqa: E402
+from miniverl.engine.tiny.models import (  # noqa: E402
+    MODEL_NAMES,
+    MODEL_VOCAB_SIZE,
+    TOKENIZER_SIZE,
+    asset_dir,
+    load_model,
+    load_tokenizer,
+)
+from miniverl.engine.tiny.evaluate import evaluate_greedy  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    return {name: load_model(name) for name in MODEL_NAMES}
+
+
+@pytest.fixture(scope="module")
+def heldout():
+    return make_tasks("heldout", 20, seed=7)
+
+
+def test_vocab_sizes():
+    assert TOKENIZER_SIZE == 397
+    assert MODEL_VOCAB_SIZE == 448
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_asset_files(name):
+    directory = asset_dir(name)
+    assert (directory / "config.json").is_file()
+    weights = directory / "model.safetensors"
+    assert weights.is_file()
+    assert weights.stat().st_size < 5 * 1024 * 1024
+    for filename in TOKENIZER_FILES:
+        shipped = (asset_dir("tokenizer") / filename).read_bytes()
+        assert (directory / filename).read_bytes() == shipped, f"{name}/{filename} differs from the shared tokenizer"
+
+
+def test_asset_dir_rejects_unknown_names():
+    with pytest.raises(ValueError):
+        asset_dir("nope")
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_config_facts(name, models, tokenizer):
+    model = models[name]
+    config = model.config
+    assert config.model_type == "qwen3"
+    assert config.vocab_size == 448
+    assert config.tie_word_embeddings is True
+    assert model.get_input_embeddings().weight.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+    assert config.eos_token_id == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert config.pad_token_id == tokenizer.pad_token_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert model.dtype == torch.float32
+    # Padded vocabulary rows were never trained: still exactly zero.
+    assert not model.get_input_embeddings().weight[TOKENIZER_SIZE:].any()
+
+
+def test_teachers_share_a_config(models):
+    teacher, raw = models["protocol_teacher"].config, models["raw_teacher"].config
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
+        assert getattr(teacher, key) == getattr(raw, key)
+    student = models["student_base"].config
+    assert student.hidden_size < teacher.hidden_size
+
+
+def test_protocol_teacher_uses_the_tool(models, tokenizer, heldout):
+    metrics = evaluate_greedy(models["protocol_teacher"], tokenizer, heldout)
+    assert metrics["strict_success"] >= 0.9, metrics
+
+
+@pytest.mark.parametrize("name", ["raw_teacher", "student_base"])
+def test_direct_answerers_never_call_the_tool(name, models, tokenizer, heldout):
+    metrics = evaluate_greedy(models[name], tokenizer, heldout)
+    assert metrics["tool_call_rate"] == 0.0, metrics
+    assert metrics["finished"] == 1.0, metrics
