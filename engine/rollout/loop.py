@@ -7,6 +7,12 @@ parses the tool call, runs the tool and queues its response as forced tokens
 answer or a budget. `select_next` samples (or picks greedily) and returns the
 log-prob under the distribution actually sampled from. Engines only decide how
 the forward passes are batched; what a token means is decided here.
+
+A diagnostic can force every first turn to open with a given text ("does the
+model finish a tool call it was made to open?"). That prefix is context, not a
+model sample: it is fed after the prompt as forced tokens of provenance
+`prompt`, so it is never a sampled token and has no sampling log-prob, while
+the first turn's text still begins with it, so the judge sees the whole call.
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ from dataclasses import dataclass, field
 import torch
 
 from miniverl.engine.core.artifacts import PROVENANCE_MODEL, PROVENANCE_PROMPT, PROVENANCE_TOOL
-from miniverl.engine.models.loading import cache_kwarg
 from miniverl.engine.tasks.calculator import TOOL_RESPONSE_TEMPLATE, CalcTask, judge, parse_tool_calls, render_prompt, tool_response
 
 
@@ -42,7 +47,8 @@ class Episode:
     provenance: list[int]
     pending: deque[tuple[int, int]]  # forced (token, provenance) still to feed
     sampling_logprobs: list[float] = field(default_factory=list)
-    turn_tokens: list[int] = field(default_factory=list)
+    turn_tokens: list[int] = field(default_factory=list)  # sampled tokens of the open turn
+    turn_prefix: list[int] = field(default_factory=list)  # forced tokens that open it (context, not samples)
     turns: list[str] = field(default_factory=list)
     tool_results: list[tuple[str, bool]] = field(default_factory=list)
     finished: bool = False
@@ -75,14 +81,17 @@ def select_next(logits_RV: torch.Tensor, policy: SamplingPolicy, generator: torc
 class ToolLoop:
     """Turn bookkeeping shared by every engine: what happens after a model token."""
 
-    def __init__(self, tokenizer, budget: Budget):
+    def __init__(self, tokenizer, budget: Budget, first_turn_prefix: str = ""):
         self.tokenizer = tokenizer
         self.budget = budget
         self.end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        # Tokenized on its own and appended to the prompt's tokens, as segments are everywhere.
+        self.prefix_ids = tokenizer(first_turn_prefix, add_special_tokens=False).input_ids if first_turn_prefix else []
 
     def start(self, task: CalcTask) -> Episode:
         ids = self.tokenizer(render_prompt(self.tokenizer, task), add_special_tokens=False).input_ids
-        return Episode(task, [], [], deque((t, PROVENANCE_PROMPT) for t in ids))
+        forced = deque((t, PROVENANCE_PROMPT) for t in ids + self.prefix_ids)
+        return Episode(task, [], [], forced, turn_prefix=list(self.prefix_ids))
 
     def feed_forced(self, episode: Episode) -> int:
         token, provenance = episode.pending.popleft()
@@ -102,9 +111,10 @@ class ToolLoop:
             self._finish(episode, "length")
 
     def _close_turn(self, episode: Episode) -> str:
-        text = self.tokenizer.decode(episode.turn_tokens, skip_special_tokens=False)
+        text = self.tokenizer.decode(episode.turn_prefix + episode.turn_tokens, skip_special_tokens=False)
         episode.turns.append(text)
         episode.turn_tokens = []
+        episode.turn_prefix = []
         return text
 
     def _end_turn(self, episode: Episode) -> None:

@@ -58,8 +58,9 @@ def run_batch(model, tool_loop: ToolLoop, tasks: list[CalcTask], policy: Samplin
 
 def run_episodes_plain(model, tokenizer, tasks: list[CalcTask], policy: SamplingPolicy, budget: Budget,
                        generator: torch.Generator | None, vocab_limit: int, device: str, batch_size: int,
-                       on_batch=None) -> list[Episode]:
-    tool_loop = ToolLoop(tokenizer, budget)
+                       on_batch=None, first_turn_prefix: str = "") -> list[Episode]:
+    """`first_turn_prefix`: forced context that opens every first turn (see `ToolLoop`); empty for rollout and verify."""
+    tool_loop = ToolLoop(tokenizer, budget, first_turn_prefix)
     episodes: list[Episode] = []
     for start in range(0, len(tasks), batch_size):
         episodes.extend(run_batch(model, tool_loop, tasks[start:start + batch_size], policy, generator, vocab_limit, device))

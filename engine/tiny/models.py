@@ -13,8 +13,8 @@ Three Qwen3 models, built from a config (no downloads) and trained on a CPU by
 All share the tokenizer in ``assets/tiny/tokenizer`` (397 tokens). The
 embedding is padded to ``padded_vocab_size(397) == 448`` rows, as Qwen3 pads
 its own; the padded rows are zero at construction, never receive a gradient
-(training masks their logits to -inf) and are suppressed at generation time
-(`PADDED_TOKEN_IDS`).
+(training masks their logits to -inf) and are never sampled: evaluation, like
+rollout and verify, cuts the logits to the tokenizer's rows.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from miniverl.engine.models import loading
 from miniverl.engine.tiny.tokenizer import padded_vocab_size
 
 TINY_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny"
@@ -78,9 +79,8 @@ def asset_dir(name: str) -> Path:
 
 
 def load_tokenizer(path: Path | str | None = None) -> Any:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(path or asset_dir(TOKENIZER_NAME)))
+    """The shipped tiny tokenizer (or the one at `path`), loaded as every model's is, checked for its size."""
+    tokenizer = loading.load_tokenizer(Path(path) if path is not None else asset_dir(TOKENIZER_NAME))
     if len(tokenizer) != TOKENIZER_SIZE:
         raise ValueError(f"tiny tokenizer has {len(tokenizer)} tokens, expected {TOKENIZER_SIZE}")
     return tokenizer
@@ -138,4 +138,4 @@ def encode(tokenizer: Any, text: str) -> list[int]:
 
 def masked_logits(logits: torch.Tensor) -> torch.Tensor:
     """Padded vocabulary rows can never be predicted."""
-    return logits.masked_fill(torch.arange(logits.shape[-1]) >= TOKENIZER_SIZE, float("-inf"))
+    return logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= TOKENIZER_SIZE, float("-inf"))

@@ -4,8 +4,8 @@ Built with the `tokenizers` library from a deterministic corpus of calculator
 traces, so common words ("calculator", "expression") become single tokens and
 sequences stay short on a CPU. Digits are split one per token, as Qwen3 does.
 The chat template renders tools, tool calls and tool responses the way Qwen3's
-template does (the tools block is shortened), so `engine.task` drives the tiny
-and the real models through one code path.
+template does (the tools block is shortened), so `tasks.calculator` drives the
+tiny and the real models through one code path.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     python -m miniverl.engine.tiny.train            # all three, into engine/assets/tiny/
     python -m miniverl.engine.tiny.train --only student_base --out-root /tmp/tiny
 
-What is trained (see `tiny_models` for the configs):
+What is trained (see `tiny.models` for the configs):
 
 - ``protocol_teacher`` learns the full protocol trace: call the calculator
   with the question's exact expression, read the tool response, answer
@@ -40,7 +40,8 @@ are on; results are reproducible on the same machine and thread count.
 Training tasks come from ``make_tasks("train", ...)`` only; evaluation uses
 ``make_tasks("heldout", ...)``, which no training expression can be in.
 
-Each model is judged in the real multi-turn loop by `tiny_eval` after training.
+Each model is judged after training by `tiny.evaluate`, in the episode loop and
+`ToolLoop` that rollout and verify run.
 """
 
 from __future__ import annotations
@@ -73,7 +74,6 @@ from miniverl.engine.tiny.models import (
     MODEL_VOCAB_SIZE,
     SPECS,
     TOKENIZER_NAME,
-    TOKENIZER_SIZE,
     asset_dir,
     build_model,
     encode,
@@ -255,7 +255,7 @@ def report(name: str, model: Any, tokenizer: Any) -> dict[str, Any]:
     metrics: dict[str, Any] = {"parameters": parameter_count(model), "greedy": evaluate_greedy(model, tokenizer, heldout)}
     if name == "student_base":
         metrics["sampled_t1"] = evaluate_sampled(model, tokenizer, heldout, seed=EVAL_TASK_SEED)
-        metrics["forced_tool_call_greedy"] = evaluate_greedy(model, tokenizer, heldout, forced_prefix=TOOL_CALL_OPEN)
+        metrics["forced_tool_call_greedy"] = evaluate_greedy(model, tokenizer, heldout, first_turn_prefix=TOOL_CALL_OPEN)
         metrics["first_token_tool_prob_mean_max"] = first_token_tool_prob(model, tokenizer, heldout)
     return metrics
 
@@ -269,6 +269,9 @@ def check(name: str, metrics: dict[str, Any]) -> list[str]:
         problems.append(f"{name} greedy tool-call rate {greedy['tool_call_rate']:.3f} > 0")
     if name == "student_base" and metrics["sampled_t1"]["tool_call_rate"] > 0.01:
         problems.append(f"student_base sampled tool-call rate {metrics['sampled_t1']['tool_call_rate']:.3f} > 0.01")
+    if name == "student_base" and metrics["forced_tool_call_greedy"]["strict_success"] < 0.97:
+        forced = metrics["forced_tool_call_greedy"]["strict_success"]
+        problems.append(f"student_base forced to open a tool call succeeds {forced:.3f} < 0.97")
     return problems
 
 

@@ -1,4 +1,4 @@
-"""The shipped tiny models: config facts and a quick greedy behaviour check."""
+"""The shipped tiny models: config facts and a quick greedy behaviour check in the rollout/verify loop."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from miniverl.engine.tasks.calculator import make_tasks  # noqa: E402
+from miniverl.engine.tasks.calculator import TOOL_CALL_OPEN, make_tasks  # noqa: E402
 from miniverl.engine.tiny.models import (  # noqa: E402
     MODEL_NAMES,
     MODEL_VOCAB_SIZE,
@@ -92,3 +92,9 @@ def test_direct_answerers_never_call_the_tool(name, models, tokenizer, heldout):
     metrics = evaluate_greedy(models[name], tokenizer, heldout)
     assert metrics["tool_call_rate"] == 0.0, metrics
     assert metrics["finished"] == 1.0, metrics
+
+
+def test_student_completes_a_tool_call_it_was_made_to_open(models, tokenizer, heldout):
+    """The decision to call the tool is what the base student lacks, not the skill (see `tiny.train`)."""
+    metrics = evaluate_greedy(models["student_base"], tokenizer, heldout, first_turn_prefix=TOOL_CALL_OPEN)
+    assert metrics["strict_success"] >= 0.9, metrics
