@@ -46,10 +46,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from qwen_assets import build_assets  # noqa: E402
-from qwen_tokenizer import TOKENIZER_SIZE  # noqa: E402
+from qwen_pipeline_markdown import markdown  # noqa: E402
 
 GIB = 2**30
-KILL_POINT = "c000001/gradient:compute"
+KILL_POINT = "c000001/gradient:inputs-read"
 BASES: list[int] = []  # memory allocated when each measured call started
 
 
@@ -252,9 +252,9 @@ def measure(recipe_path: Path, out: Path, trajectories: int) -> None:
     gen = torch.Generator().manual_seed(3)
     adapter = {n: t + 0.01 * torch.randn(t.shape, generator=gen) if "lora_B" in n else t for n, t in adapter.items()}
     rollout = synthetic_rollout(host, trajectories, recipe.rollout.max_total_tokens)
-    (_, scores), score_s, score_peak = _measured(lambda: teacher_score.run(recipe, host, rollout, quiet))
+    (_, scores), score_s, score_peak = _measured(lambda: teacher_score.score(recipe, host, rollout, quiet))
     chunked, chunked_s, chunked_peak = _measured(
-        lambda: gradient.run(recipe, host, rollout, scores, adapter, quiet))
+        lambda: gradient.compute(recipe, host, rollout, scores, adapter, quiet))
     (naive, naive_kl), naive_s, naive_peak = _measured(
         lambda: naive_gradient(host, rollout, scores["teacher_hidden"], adapter, recipe.train.gradient_checkpointing))
     # The stage at other chunk sizes: what loss.chunk_size buys (peak above the start, seconds).
@@ -262,9 +262,9 @@ def measure(recipe_path: Path, out: Path, trajectories: int) -> None:
     for chunk in (64, 32, 16, 8):
         variant = msgspec.structs.replace(recipe, loss=msgspec.structs.replace(recipe.loss, chunk_size=chunk),
                                           memory=msgspec.structs.replace(recipe.memory, min_chunk_size=min(chunk, 4)))
-        _, seconds, peak = _measured(lambda: gradient.run(variant, host, rollout, scores, adapter, quiet))
+        _, seconds, peak = _measured(lambda: gradient.compute(variant, host, rollout, scores, adapter, quiet))
         by_chunk[chunk] = {"peak_extra_bytes": peak, "seconds": seconds}
-    grads, stats = chunked[0], chunked[1]
+    grads, stats = chunked.grads, chunked.stats
     flat_c = torch.cat([grads[n].flatten().double() for n in sorted(grads)])
     flat_n = torch.cat([naive[n].flatten().double() for n in sorted(naive)])
     result = {
@@ -273,7 +273,7 @@ def measure(recipe_path: Path, out: Path, trajectories: int) -> None:
         "trajectories": trajectories,
         "tokens_per_trajectory": recipe.rollout.max_total_tokens,
         "positions": stats.positions,
-        "chunk_size": chunked[3],
+        "chunk_size": chunked.chunk_size,
         "trajectory_batch_size": recipe.train.trajectory_batch_size,
         "gradient_checkpointing": recipe.train.gradient_checkpointing,
         "teacher_score": {"seconds": score_s, "peak_extra_bytes": score_peak},
@@ -297,77 +297,6 @@ def environment() -> dict:
     from miniverl.engine.core.device import environment as env
 
     return {**env(), "torch_cuda": str(torch.version.cuda), "host": platform.node()}
-
-
-def markdown(result: dict) -> str:
-    lines = ["# Qwen3 recipes at the real shapes (random weights), one GPU", ""]
-    env = result["environment"]
-    lines += [f"GPU {env.get('gpu')} ({env.get('gpu_memory_gib')} GiB, compute capability "
-              f"{env.get('compute_capability')}), driver {env.get('driver')}; torch {env.get('torch')} "
-              f"(CUDA {env.get('cuda_build')}), transformers {env.get('transformers')}, peft {env.get('peft')}, "
-              f"bitsandbytes {env.get('bitsandbytes')}.", "", "Commands (from the repository root, on the GPU machine):", "",
-              "```", *result["commands"], "```", "",
-              "Every token budget, batch size, chunk size and strategy is the shipped recipe's; the overrides "
-              "(models.*.path aside) are listed per recipe.", ""]
-    for key, title in (("calc", "qwen_consumer_gpu_calc.yaml (dual_model)"),
-                       ("shared", "qwen_consumer_gpu_shared.yaml (shared_backbone)")):
-        run = result.get(key)
-        if not run:
-            continue
-        m = result.get(f"measure_{key}", {})
-        held = m.get("weights_bytes", {}).get("total") if isinstance(m, dict) else None
-        lines += [f"## {title}", "", f"Overrides: `{json.dumps(result.get('overrides', {}).get(key, {}))}`.", ""]
-        if held:
-            w = m["weights_bytes"]
-            lines.append(f"Weights on the GPU: student {w['student'] / GIB:.3f} GiB (incl. LoRA), "
-                         f"teacher {w['teacher'] / GIB:.3f} GiB, together {held / GIB:.3f} GiB; "
-                         f"both stay resident ({run.get('resolved', {}).get('memory.strategy', {}).get('reason', '')}).")
-            lines.append("")
-        lines += ["| stage | seconds | peak allocated GiB | peak reserved GiB | above the weights GiB | OOM retries |",
-                  "| --- | ---: | ---: | ---: | ---: | --- |"]
-        for row in run.get("stages", []):
-            above = f"{row['peak_allocated_gib'] - held / GIB:+.3f}" if held else "n/a"
-            lines.append(f"| {row['stage']} | {row['seconds']:.1f} | {row['peak_allocated_gib']:.3f} | "
-                         f"{row['peak_reserved_gib']:.3f} | {above} | {row['oom_retries'] or ''} |")
-        if run.get("stages"):
-            top = max(run["stages"], key=lambda r: r["peak_allocated_gib"])
-            top_r = max(run["stages"], key=lambda r: r["peak_reserved_gib"])
-            lines += ["", f"Peak over all stages: {top['peak_allocated_gib']:.3f} GiB allocated ({top['stage']}), "
-                          f"{top_r['peak_reserved_gib']:.3f} GiB reserved ({top_r['stage']})."]
-        lines += ["", f"Trainable parameters: {run.get('trainable_parameters')}; chunk sizes used: "
-                      f"{run.get('chunk_sizes_used')}; completed: {run.get('completed')}."]
-        if "trajectory_tokens" in run:
-            t = run["trajectory_tokens"]
-            lines.append(f"Cycle 0 trajectories: {t.get('total')} tokens, prompts {t.get('prompt')}, "
-                         f"finish {sorted(set(t.get('finish', [])))}.")
-        if "resume" in run:
-            r = run["resume"]
-            lines.append(f"Kill at `{r['killed_at']}`: first process exit {r['kill_rc']} (SIGKILL), "
-                         f"`resume` exit {r['resume_rc']}; that stage ran {r['killed_stage_attempts']} times.")
-        if m.get("error"):
-            lines += ["", f"Gradient-stage measurement failed: {m['error'][-500:]}"]
-        elif m:
-            lines += ["", f"Gradient stage alone ({m['trajectories']} trajectories x {m['tokens_per_trajectory']} "
-                          f"tokens = {m['positions']} trained positions, vocabulary {TOKENIZER_SIZE}):", "",
-                      "| implementation | peak above its start GiB | seconds |", "| --- | ---: | ---: |",
-                      f"| chunked (the stage, chunk {m['chunk_size']}, micro-batch {m['trajectory_batch_size']}) | "
-                      f"{m['chunked']['peak_extra_bytes'] / GIB:.3f} | {m['chunked']['seconds']:.2f} |",
-                      f"| naive full [T, V] float32 logits | {m['naive']['peak_extra_bytes'] / GIB:.3f} | "
-                      f"{m['naive']['seconds']:.2f} |", "",
-                      f"Naive / chunked peak: {m['naive_over_chunked_peak']:.1f}x; relative gradient difference "
-                      f"{m['gradient_rel_diff']:.2e} (bf16 logits vs float32 upcast). Allocated before the stage "
-                      f"besides the weights (cuBLAS workspace and the like): "
-                      f"{m.get('cublas_and_other_before_bytes', 0) / GIB:.3f} GiB.", "",
-                      "| loss.chunk_size | gradient stage peak above its start GiB | seconds |", "| ---: | ---: | ---: |"]
-            lines += [f"| {chunk} | {v['peak_extra_bytes'] / GIB:.3f} | {v['seconds']:.2f} |"
-                      for chunk, v in sorted(m.get("chunked_by_chunk_size", {}).items(), key=lambda kv: int(kv[0]))]
-        lines.append("")
-    if result.get("notes"):
-        lines += ["## Notes", ""] + [f"- {note}" for note in result["notes"]] + [""]
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- main
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,14 +7,22 @@ same `.grad`, so the micro-batch size changes execution, never the objective.
 
 On an out-of-memory error the stage is retried from scratch with half the
 loss chunk size, down to `memory.min_chunk_size`; nothing else ever changes.
+
+reads cycle k's rollout and teacher scores and policy checkpoint k; writes
+cycles/k/gradient.safetensors and the Gradient record (loss, KL, norm, the
+chunk size that succeeded and every attempt).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from miniverl.engine.core.artifacts import ChunkAttempt, Rollout
-from miniverl.engine.core.errors import StageFailed
+from miniverl.engine.core import layout
+from miniverl.engine.core.artifacts import ChunkAttempt, Gradient, Rollout
+from miniverl.engine.core.errors import ArtifactError, StageFailed
+from miniverl.engine.core.layout import Ref, StageKey
 from miniverl.engine.core.faults import oom_guard
 from miniverl.engine.distill.losses import LossSpec, LossStats, PositionTargets, chunked_loss_backward
 from miniverl.engine.models.host import ModelHost
@@ -22,6 +30,23 @@ from miniverl.engine.models.loading import adapter_parameters, decoder_and_head,
 from miniverl.engine.core.progress import Reporter
 from miniverl.engine.core.recipe import Recipe
 from miniverl.engine.models.sequences import micro_batches, predicting_hidden
+from miniverl.stages.contract import Output, StageContext, artifact_output, checkpoint_inputs, tensor_output
+
+NAME = layout.GRADIENT
+
+
+@dataclass(frozen=True)
+class GroupGradient:
+    grads: dict[str, torch.Tensor]  # adapter parameter name -> gradient of the group objective
+    stats: LossStats
+    micro_batches: int
+    chunk_size: int  # the one that succeeded
+    attempts: list[ChunkAttempt]
+
+    @property
+    def norm(self) -> float:
+        """Global L2 norm before clipping, accumulated in float64."""
+        return float(torch.sqrt(sum((g.double() ** 2).sum() for g in self.grads.values())))
 
 
 def _targets(mode: str, tokens_N: torch.Tensor, teacher: dict[str, torch.Tensor], lo: int, hi: int,
@@ -70,9 +95,9 @@ def _one_pass(recipe: Recipe, host: ModelHost, rollout: Rollout, teacher: dict[s
     return grads, totals, len(batches)
 
 
-def run(recipe: Recipe, host: ModelHost, rollout: Rollout, teacher: dict[str, torch.Tensor],
-        adapter: dict[str, torch.Tensor], reporter: Reporter, on_retry=None):
-    """Returns (grads, stats, micro_batches, chunk_size used, attempts)."""
+def compute(recipe: Recipe, host: ModelHost, rollout: Rollout, teacher: dict[str, torch.Tensor],
+            adapter: dict[str, torch.Tensor], reporter: Reporter, on_retry=None) -> GroupGradient:
+    """The group gradient, retried with a halved chunk size after each OOM."""
     student = host.student(adapter)
     student.train()
     if recipe.train.gradient_checkpointing:
@@ -84,7 +109,7 @@ def run(recipe: Recipe, host: ModelHost, rollout: Rollout, teacher: dict[str, to
             try:
                 grads, stats, n_micro = _one_pass(recipe, host, rollout, teacher, chunk_size, reporter)
                 attempts.append(ChunkAttempt(chunk_size, True, None))
-                return grads, stats, n_micro, chunk_size, attempts
+                return GroupGradient(grads, stats, n_micro, chunk_size, attempts)
             except torch.OutOfMemoryError as exc:
                 attempts.append(ChunkAttempt(chunk_size, False, str(exc).splitlines()[0][:200]))
                 for p in adapter_parameters(host.student()).values():
@@ -104,3 +129,25 @@ def run(recipe: Recipe, host: ModelHost, rollout: Rollout, teacher: dict[str, to
         if recipe.train.gradient_checkpointing:
             set_gradient_checkpointing(student, False)
         student.eval()
+
+
+def inputs(key: StageKey, recipe: Recipe) -> dict[str, Ref]:
+    return {"rollout": layout.rollout_ref(key.cycle), "scores": layout.teacher_score_ref(key.cycle),
+            "teacher": layout.teacher_tensors_ref(key.cycle), **checkpoint_inputs(key.cycle)}
+
+
+def outputs(key: StageKey, recipe: Recipe) -> list[Ref]:
+    return [layout.gradient_tensors_ref(key.cycle), layout.gradient_ref(key.cycle)]
+
+
+def run(ctx: StageContext, got: dict) -> list[Output]:
+    cycle = ctx.key.cycle
+    if got["scores"].rollout_sha256 != ctx.digests["rollout"]:
+        raise ArtifactError(f"teacher scores of cycle {cycle} belong to another rollout; rerun teacher_score")
+    result = compute(ctx.recipe, ctx.host, got["rollout"], got["teacher"], got["adapter"], ctx.reporter, ctx.on_oom_retry)
+    tensors_out, tensor_file = tensor_output(layout.gradient_tensors_ref(cycle), result.grads)
+    positions = max(result.stats.positions, 1)
+    record = Gradient(cycle, got["checkpoint"].adapter_sha256, tensor_file, result.stats.loss_sum / positions,
+                      result.stats.kl_sum / positions, result.stats.positions, result.micro_batches,
+                      result.chunk_size, result.attempts, result.norm)
+    return [tensors_out, artifact_output(layout.gradient_ref(cycle), record)]

@@ -4,18 +4,26 @@ Refuses (with a one-line `UserError`) before any training when the student
 and teacher tokenizers are not byte-identical or their output vocabularies do
 not cover the tokenizer. Also draws the initial LoRA adapter (policy
 checkpoint 0) from the run seed.
+
+reads the recipe; writes resolved.json, preflight.msgpack and checkpoint 0.
 """
 
 from __future__ import annotations
 
 import torch
 
+from miniverl.engine.core import layout
 from miniverl.engine.core.artifacts import ModelIdentity, Preflight, Resolution, TokenizerVerdict
+from miniverl.engine.core.atomic_io import sha256_file
+from miniverl.engine.core.layout import Ref, StageKey
 from miniverl.engine.core.device import environment, resolve_all
 from miniverl.engine.models.host import ModelHost
-from miniverl.engine.models.loading import check_pairing, file_sha256, read_config, require_pairing
+from miniverl.engine.models.loading import check_pairing, read_config, require_pairing
 from miniverl.engine.core.recipe import Recipe, recipe_to_builtins
 from miniverl.engine.tasks.calculator import make_tasks
+from miniverl.stages.contract import Output, StageContext, artifact_output, checkpoint_outputs, checkpoint_refs, json_output
+
+NAME = layout.PREFLIGHT
 
 
 def _identity(role: str, spec, model_dir, model: torch.nn.Module | None) -> ModelIdentity:
@@ -25,7 +33,7 @@ def _identity(role: str, spec, model_dir, model: torch.nn.Module | None) -> Mode
         id=spec.id,
         revision=spec.revision,
         local_dir=str(model_dir),
-        config_sha256=file_sha256(model_dir / "config.json"),
+        config_sha256=sha256_file(model_dir / "config.json"),
         architecture=",".join(config.get("architectures", ["unknown"])),
         vocab_size=int(config["vocab_size"]),
         hidden_size=int(config["hidden_size"]),
@@ -42,7 +50,7 @@ def _teacher_adapter(host: ModelHost) -> dict | None:
             "base_revision": adapter.base_revision}
 
 
-def run(recipe: Recipe, host: ModelHost, load_weights: bool = True) -> tuple[Preflight, dict[str, torch.Tensor]]:
+def prepare(recipe: Recipe, host: ModelHost, load_weights: bool = True) -> tuple[Preflight, dict[str, torch.Tensor]]:
     resolved = resolve_all(recipe)
     pairing = check_pairing(host.student_dir, host.teacher_dir, host.vocab_limit)
     require_pairing(pairing)
@@ -82,3 +90,20 @@ def run(recipe: Recipe, host: ModelHost, load_weights: bool = True) -> tuple[Pre
         heldout_task_ids=[t.task_id for t in heldout],
     )
     return preflight, adapter
+
+
+def inputs(key: StageKey, recipe: Recipe) -> dict[str, Ref]:
+    return {}
+
+
+def outputs(key: StageKey, recipe: Recipe) -> list[Ref]:
+    return [layout.resolved_ref(), layout.preflight_ref(), *checkpoint_refs(0)]
+
+
+def run(ctx: StageContext, got: dict) -> list[Output]:
+    artifact, adapter = prepare(ctx.recipe, ctx.host)
+    resolved = {k: {"value": r.value, "reason": r.reason} for k, r in artifact.resolved.items()}
+    base_config = sha256_file(ctx.host.student_dir / "config.json")
+    return [json_output(layout.resolved_ref(), {"recipe": artifact.recipe, "resolved": resolved}),
+            artifact_output(layout.preflight_ref(), artifact),
+            *checkpoint_outputs(0, ctx.recipe, base_config, adapter, {}, {})]

@@ -1,10 +1,16 @@
-"""Rollout: the student samples this cycle's trajectories in the tool loop."""
+"""Rollout: the student samples this cycle's trajectories in the tool loop.
+
+reads policy checkpoint k; writes cycles/k/rollout.msgpack (token ids, span
+provenance, sampling log-probs, tool calls and results, verdicts).
+"""
 
 from __future__ import annotations
 
 import torch
 
+from miniverl.engine.core import layout
 from miniverl.engine.core.artifacts import Rollout, Trajectory
+from miniverl.engine.core.layout import Ref, StageKey
 from miniverl.engine.models.host import ModelHost
 from miniverl.engine.core.progress import Reporter
 from miniverl.engine.core.recipe import Recipe
@@ -12,6 +18,9 @@ from miniverl.engine.rollout.engines import run_episodes
 from miniverl.engine.rollout.loop import Budget, SamplingPolicy
 from miniverl.engine.core.seeding import derive_seed, generator
 from miniverl.engine.tasks.calculator import make_tasks
+from miniverl.stages.contract import Output, StageContext, artifact_output, checkpoint_inputs
+
+NAME = layout.ROLLOUT
 
 
 def cycle_tasks(recipe: Recipe, cycle: int):
@@ -20,8 +29,8 @@ def cycle_tasks(recipe: Recipe, cycle: int):
     return make_tasks("train", recipe.train.rollouts_per_cycle, seed, recipe.task.operand_max)
 
 
-def run(recipe: Recipe, host: ModelHost, adapter: dict[str, torch.Tensor], adapter_sha256: str,
-        cycle: int, reporter: Reporter) -> Rollout:
+def sample(recipe: Recipe, host: ModelHost, adapter: dict[str, torch.Tensor], adapter_sha256: str,
+           cycle: int, reporter: Reporter) -> Rollout:
     model = host.student(adapter)
     tasks = cycle_tasks(recipe, cycle)
     r = recipe.rollout
@@ -52,3 +61,16 @@ def run(recipe: Recipe, host: ModelHost, adapter: dict[str, torch.Tensor], adapt
         cycle=cycle, policy_adapter_sha256=adapter_sha256, temperature=r.temperature, top_p=r.top_p,
         trajectories=trajectories, generated_tokens=sum(len(t.sampling_logprobs) for t in trajectories),
     )
+
+
+def inputs(key: StageKey, recipe: Recipe) -> dict[str, Ref]:
+    return checkpoint_inputs(key.cycle)
+
+
+def outputs(key: StageKey, recipe: Recipe) -> list[Ref]:
+    return [layout.rollout_ref(key.cycle)]
+
+
+def run(ctx: StageContext, got: dict) -> list[Output]:
+    rollout = sample(ctx.recipe, ctx.host, got["adapter"], got["checkpoint"].adapter_sha256, ctx.key.cycle, ctx.reporter)
+    return [artifact_output(layout.rollout_ref(ctx.key.cycle), rollout)]

@@ -1,20 +1,29 @@
-"""Verify: the strict held-out verifier, greedy decoding on the held-out split."""
+"""Verify: the strict held-out verifier, greedy decoding on the held-out split.
+
+reads the initial (baseline) or final policy checkpoint; writes the verifier
+report: tool-call rate, format validity and strict success, item by item.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from miniverl.engine.core import layout
 from miniverl.engine.core.artifacts import VerifyItem, VerifyReport
+from miniverl.engine.core.layout import Ref, StageKey
 from miniverl.engine.models.host import ModelHost
 from miniverl.engine.core.progress import Reporter
 from miniverl.engine.core.recipe import Recipe
 from miniverl.engine.rollout.engines import run_episodes
 from miniverl.engine.rollout.loop import Budget, SamplingPolicy
 from miniverl.engine.tasks.calculator import make_tasks
+from miniverl.stages.contract import Output, StageContext, artifact_output, checkpoint_inputs
+
+NAME = layout.VERIFY
 
 
-def run(recipe: Recipe, host: ModelHost, adapter: dict[str, torch.Tensor], adapter_sha256: str,
-        label: str, reporter: Reporter) -> VerifyReport:
+def evaluate(recipe: Recipe, host: ModelHost, adapter: dict[str, torch.Tensor], adapter_sha256: str,
+             label: str, reporter: Reporter) -> VerifyReport:
     model = host.student(adapter)
     tasks = make_tasks("heldout", recipe.task.heldout_size, recipe.task.heldout_seed, recipe.task.operand_max)
     budget = Budget(recipe.rollout.max_turns, recipe.verify.max_new_tokens_per_turn, recipe.rollout.max_total_tokens)
@@ -44,3 +53,17 @@ def run(recipe: Recipe, host: ModelHost, adapter: dict[str, torch.Tensor], adapt
         strict_success=sum(i.strict_success for i in items) / n,
         items=items,
     )
+
+
+def inputs(key: StageKey, recipe: Recipe) -> dict[str, Ref]:
+    return checkpoint_inputs(layout.verified_step(key.label, recipe.train.cycles))
+
+
+def outputs(key: StageKey, recipe: Recipe) -> list[Ref]:
+    return [layout.verify_ref(key.label)]
+
+
+def run(ctx: StageContext, got: dict) -> list[Output]:
+    label = ctx.key.label
+    report = evaluate(ctx.recipe, ctx.host, got["adapter"], got["checkpoint"].adapter_sha256, label, ctx.reporter)
+    return [artifact_output(layout.verify_ref(label), report)]

@@ -10,7 +10,6 @@ or broken.
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import logging
 import os
 import platform
@@ -19,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from miniverl.engine.core.device import cuda_problem, driver_version, native_bf16, resolve_dtype
+from miniverl.engine.core.device import cuda_problem, driver_version, native_bf16, package_version, resolve_dtype
 from miniverl.engine.models.memory_estimate import available_ram, total_ram
 
 TORCH_SELECTOR = "https://pytorch.org/get-started/locally/"
@@ -45,16 +44,6 @@ OPTIONAL = (
 )
 
 
-def _version(module, name: str) -> str | None:
-    version = getattr(module, "__version__", None)
-    if version:
-        return str(version)
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _bitsandbytes_library() -> str:
     """Whether bitsandbytes loaded its CUDA kernels (NF4 and paged optimizers need them)."""
     try:
@@ -72,7 +61,7 @@ def _bitsandbytes_library() -> str:
 
 def check_dependency(name: str, purpose: str, install: str) -> Dependency:
     try:
-        module = importlib.import_module(name)
+        importlib.import_module(name)
     except ModuleNotFoundError as exc:
         if exc.name == name:
             return Dependency(name, purpose, install, "missing", None, "not installed")
@@ -80,7 +69,7 @@ def check_dependency(name: str, purpose: str, install: str) -> Dependency:
     except Exception as exc:  # a broken install raises anything at all
         return Dependency(name, purpose, install, "broken", None, f"import failed: {type(exc).__name__}: {exc}")
     detail = _bitsandbytes_library() if name == "bitsandbytes" else ""
-    return Dependency(name, purpose, install, "ok", _version(module, name), detail)
+    return Dependency(name, purpose, install, "ok", package_version(name), detail)
 
 
 def _cuda_section() -> dict:

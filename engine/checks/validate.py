@@ -1,33 +1,31 @@
 """`miniverl validate`: every problem of a recipe at once, then what it resolves to here.
 
 msgspec stops at the first error, which makes a user fix a recipe one key per
-attempt. So the YAML is walked here against the recipe's Struct types, one key
-at a time: a nested section is walked field by field and every leaf value is
-converted on its own, which collects every unknown key, wrong type and
-out-of-range value. Keys that failed are dropped (their defaults stand in) so
-that the rules spanning several keys, the `auto` resolutions and the model
-locations can still be checked in the same pass; a later problem that names a
-key which already failed is not repeated.
+attempt. So the YAML is first checked against the JSON Schema of the Recipe
+Struct (engine.core.recipe.schema_problems), which lists every unknown key,
+missing key, wrong type and out-of-range value. Keys that failed are dropped
+(their defaults stand in) so that the rules spanning several keys, the `auto`
+resolutions and the model locations can still be checked in the same pass; a
+later problem that names a key which already failed is not repeated.
 """
 
 from __future__ import annotations
 
+import copy
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import msgspec
 
 from miniverl.engine.core.device import (
     Resolved, check_quantization, resolve_device, resolve_dtype, resolve_memory_strategy, resolve_optimizer,
 )
 from miniverl.engine.core.errors import RecipeError, UserError
-from miniverl.engine.core.recipe import Recipe, consistency_problems, load_recipe_data, read_recipe_text, recipe_to_builtins
-
-_AT_RE = re.compile(r"\s*-\s*at\s*`\$(?P<path>[^`]*)`\s*$")
+from miniverl.engine.core.recipe import (
+    Recipe, consistency_problems, decode_recipe, dotted, load_recipe_data, problem_line, read_recipe_text,
+    recipe_to_builtins, schema_problems,
+)
+from miniverl.engine.core.schema_check import KeyPath
 
 
 @dataclass
@@ -40,62 +38,23 @@ class Validation:
     model_dirs: dict[str, Path] = field(default_factory=dict)  # role -> local directory
 
 
-# ---------------------------------------------------------------- schema walk
-def _struct_in(annotation: Any) -> type[msgspec.Struct] | None:
-    """The Struct class of `S` or `S | None`, else None."""
-    if isinstance(annotation, type) and issubclass(annotation, msgspec.Struct):
-        return annotation
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        structs = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, msgspec.Struct)]
-        return structs[0] if len(structs) == 1 else None
-    return None
-
-
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
-def _walk(data: Any, struct: type[msgspec.Struct], path: str, problems: list[tuple[str, str]]) -> dict | None:
-    """Check `data` against `struct`, appending (key path, problem); return the keys that passed."""
-    if not isinstance(data, dict):
-        problems.append((path, f"expected a mapping of keys, got {type(data).__name__}"))
-        return None
-    fields = {f.name: f for f in msgspec.structs.fields(struct)}
-    for key in data:
-        if key not in fields:
-            problems.append((_join(path, key), "unknown key (README.md lists the recipe keys)"))
-    kept: dict[str, Any] = {}
-    for name, info in fields.items():
-        key_path = _join(path, name)
-        if name not in data:
-            if info.required:
-                problems.append((key_path, "missing required key"))
-            continue
-        value = data[name]
-        nested = _struct_in(info.type)
-        if nested is not None and isinstance(value, dict):
-            inner = _walk(value, nested, key_path, problems)
-            if inner is not None:
-                kept[name] = inner
-            continue
-        try:
-            msgspec.convert(value, info.type, strict=True)
-        except msgspec.ValidationError as exc:
-            message = str(exc)
-            at = _AT_RE.search(message)
-            if at:  # inside a list: `$[1]` -> `.1`
-                key_path += re.sub(r"\[(\d+)\]", r".\1", at.group("path"))
-                message = message[: at.start()]
-            problems.append((key_path, message.strip()))
-            continue
-        kept[name] = value
+def _without(data: dict, paths: list[KeyPath]) -> dict:
+    """A copy of `data` lacking every key at fault, so that defaults stand in for them.
+
+    A bad list entry drops its whole list (`lora.target_modules.1` drops `lora.target_modules`)."""
+    kept = copy.deepcopy(data)
+    for path in paths:
+        keys = path[: next((i for i, key in enumerate(path) if isinstance(key, int)), len(path))]
+        node: Any = kept
+        for key in keys[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if keys and isinstance(node, dict):
+            node.pop(keys[-1], None)
     return kept
-
-
-def schema_problems(data: dict) -> tuple[list[tuple[str, str]], dict | None]:
-    problems: list[tuple[str, str]] = []
-    kept = _walk(data, Recipe, "", problems)
-    return problems, kept
 
 
 # ---------------------------------------------------------------- checks that need a whole recipe
@@ -151,16 +110,18 @@ def validate_text(text: str, source: str) -> Validation:
         result.problems.append(str(exc))
         return result
     result.data = data
-    walked, kept = schema_problems(data)
-    result.problems = [f"recipe key {path or '(top level)'}: {problem}" for path, problem in walked]
+    found = schema_problems(data)
+    result.problems = [problem_line(problem) for problem in found]
     try:
-        recipe = msgspec.convert(kept, Recipe, strict=True)
-    except msgspec.ValidationError:
-        return result  # a required section failed: nothing whole to check further
+        recipe = decode_recipe(_without(data, [problem.path for problem in found]), source)
+    except RecipeError as exc:
+        if not found:  # a rule the JSON Schema cannot state: msgspec's own line is all there is
+            result.problems.append(str(exc))
+        return result  # a required key failed: nothing whole to check further
     later: list[str] = consistency_problems(recipe)
     result.resolved = resolve_here(recipe, later)
     result.model_dirs = locate_models(recipe, later)
-    failed = {path for path, _ in walked}
+    failed = {dotted(problem.path) for problem in found}
     result.problems += [p for p in later if not _names_failed_key(p, failed)]
     result.recipe = recipe if not result.problems else None
     return result

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -12,20 +11,20 @@ from miniverl.engine.cli.common import RUNS_DIR_HELP, exit_with_problems, out, r
 
 
 def _finish_run(run) -> None:
-    from miniverl.engine.run.commands import read_manifest
+    from miniverl.engine.core.layout import MANIFEST_FILE
 
-    manifest = read_manifest(run)
+    manifest = run.read_manifest()
     if manifest is None:
         return
-    gate = manifest["quality_gate"]
-    v, b = manifest["verify"], manifest["verify_baseline"]
-    out.print(f"strict held-out success {b['strict_success']:.1%} -> {v['strict_success']:.1%}, "
-              f"tool-call rate {v['tool_call_rate']:.1%}")
-    if gate["passed"]:
-        out.print(f"[green]quality gate passed[/]; manifest: {run.root / 'manifest.json'}")
+    gate, v, b = manifest.quality_gate, manifest.verify, manifest.verify_baseline
+    where = run.root / MANIFEST_FILE
+    out.print(f"strict held-out success {b.strict_success:.1%} -> {v.strict_success:.1%}, "
+              f"tool-call rate {v.tool_call_rate:.1%}")
+    if gate.passed:
+        out.print(f"[green]quality gate passed[/]; manifest: {where}")
     else:
-        out.print(f"[bold red]quality gate FAILED ({gate['reason']})[/]: the run completed but the skill was not learned; "
-                  f"manifest: {run.root / 'manifest.json'}")
+        out.print(f"[bold red]quality gate FAILED ({gate.reason})[/]: the run completed but the skill was not learned; "
+                  f"manifest: {where}")
 
 
 def run_cmd(
@@ -43,10 +42,10 @@ def run_cmd(
         quiet_libraries()
         report = checks.dry_run(recipe)
         if as_json:
-            out.print_json(json.dumps(report))
+            out.print_json(checks.to_json(report))
         else:
             checks.render(out, report)
-        exit_with_problems(report["problems"])
+        exit_with_problems(report.problems)
         return
     from miniverl.engine.core.progress import Reporter
     from miniverl.engine.run.commands import start_run

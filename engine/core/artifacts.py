@@ -176,6 +176,65 @@ class VerifyReport(msgspec.Struct, frozen=True):
     items: list[VerifyItem]
 
 
+# ---------------------------------------------------------------- manifest (manifest.json)
+class CycleSummary(msgspec.Struct, frozen=True):
+    cycle: int
+    loss: float
+    kl: float
+    positions: int
+    grad_norm: float
+    chunk_size: int
+    micro_batches: int
+    attempts: list[ChunkAttempt]
+
+
+class VerifySummary(msgspec.Struct, frozen=True):
+    tasks: int
+    tool_call_rate: float
+    format_validity: float
+    strict_success: float
+    policy_adapter_sha256: str
+
+
+class QualityGate(msgspec.Struct, frozen=True):
+    passed: bool
+    checks: dict[str, bool]
+    min_tool_call_rate: float
+    reason: str
+
+
+class StageSummary(msgspec.Struct, frozen=True):
+    seconds: float | None
+    peak_memory_bytes: int | None
+    attempts: int
+
+
+class Manifest(msgspec.Struct, frozen=True):
+    """The terminal document: what ran, on what, with which result. JSON, for people and tools."""
+
+    manifest_version: int
+    status: str
+    run_id: str
+    recipe: dict[str, Any]
+    resolved: dict[str, Resolution]
+    environment: dict[str, str]
+    models: list[ModelIdentity]
+    tokenizer: TokenizerVerdict
+    adapter: dict[str, Any]
+    adapter_sha256: str
+    cycles: list[CycleSummary]
+    oom_retries: int
+    chunk_sizes_used: list[int]
+    verify: VerifySummary
+    verify_baseline: VerifySummary
+    quality_gate: QualityGate
+    stages: dict[str, StageSummary]
+
+
+def decode_manifest(data: bytes) -> Manifest:
+    return msgspec.json.decode(data, type=Manifest)
+
+
 T = TypeVar("T")
 _encoder = msgspec.msgpack.Encoder()
 
@@ -220,18 +279,23 @@ def read_artifact(path: Path, kind: type[T], expected_sha256: str | None = None)
     return decode_artifact(data, kind, str(path))
 
 
-def write_tensors(run_dir: Path, relative: str, tensors: dict[str, torch.Tensor]) -> TensorFile:
-    data = st_save({name: t.detach().contiguous().cpu() for name, t in tensors.items()})
-    write_bytes_atomic(run_dir / relative, data)
-    return TensorFile(relative, sha256_bytes(data))
+def encode_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
+    return st_save({name: t.detach().contiguous().cpu() for name, t in tensors.items()})
 
 
-def read_tensors(run_dir: Path, ref: TensorFile) -> dict[str, torch.Tensor]:
-    path = run_dir / ref.path
+def decode_tensors(data: bytes, expected_sha256: str, source: str) -> dict[str, torch.Tensor]:
+    if sha256_bytes(data) != expected_sha256:
+        raise ArtifactError(f"{source}: content hash mismatch (the file is corrupt)")
+    return st_load(data)
+
+
+def read_tensors_file(path: Path, expected_sha256: str) -> dict[str, torch.Tensor]:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         raise ArtifactError(f"{path}: missing") from None
-    if sha256_bytes(data) != ref.sha256:
-        raise ArtifactError(f"{path}: content hash mismatch (the file is corrupt)")
-    return st_load(data)
+    return decode_tensors(data, expected_sha256, str(path))
+
+
+def read_tensors(run_dir: Path, ref: TensorFile) -> dict[str, torch.Tensor]:
+    return read_tensors_file(run_dir / ref.path, ref.sha256)

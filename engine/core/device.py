@@ -131,11 +131,12 @@ def torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def _version(package: str) -> str:
+def package_version(name: str) -> str | None:
+    """The installed distribution's version, None when it is not installed (callers word the absence)."""
     try:
-        return importlib.metadata.version(package)
+        return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
-        return "not installed"
+        return None
 
 
 def driver_version() -> str:
@@ -158,7 +159,7 @@ def environment() -> dict[str, str]:
         "cuda_available": str(torch.cuda.is_available()),
     }
     for package in ("transformers", "peft", "bitsandbytes", "msgspec", "tokenizers", "safetensors"):
-        env[package] = _version(package)
+        env[package] = package_version(package) or "not installed"
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         env["gpu"] = props.name

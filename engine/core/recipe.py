@@ -1,20 +1,28 @@
 """Recipes: flat YAML decoded into strict msgspec Structs.
 
 An unknown key, a wrong type or an out-of-range value is one `RecipeError`
-line naming the key path (`models.student.lora.r`) and what was expected.
+line naming the key path (`models.student.lora.r`) and what was expected,
+found by validating the YAML data against the JSON Schema of `Recipe` before
+msgspec decodes it (engine.core.schema_check).
 `auto` values stay `auto` here; preflight resolves them and records why.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
 import yaml
 
+from miniverl.engine.core import schema_check
 from miniverl.engine.core.errors import RecipeError
+from miniverl.engine.core.schema_check import KeyPath, Problem
+
+if TYPE_CHECKING:
+    from jsonschema.protocols import Validator
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -147,26 +155,38 @@ class Recipe(_Strict, kw_only=True):
     report: ReportSpec = msgspec.field(default_factory=ReportSpec)
 
 
-_PATH_RE = re.compile(r"\s*-\s*at\s*`\$(?P<path>[^`]*)`\s*$")
-_UNKNOWN_RE = re.compile(r"Object contains unknown field `(?P<key>[^`]+)`")
+# ---------------------------------------------------------------- schema errors
+@functools.cache
+def _validator() -> Validator:
+    """The JSON Schema msgspec derives from `Recipe`, so the Structs above stay the one definition of a key."""
+    return schema_check.strict_validator(msgspec.json.schema(Recipe), source="the Recipe schema")
 
 
-def _key_path(raw: str) -> str:
-    return re.sub(r"\[(\d+)\]", r".\1", raw).lstrip(".") or "(top level)"
+def dotted(path: KeyPath) -> str:
+    """`('rollout', 'stop', 1)` -> `rollout.stop.1`, the way recipes name keys."""
+    return ".".join(map(str, path)) or "(top level)"
 
 
-def _recipe_error(exc: msgspec.ValidationError) -> RecipeError:
-    """Turn msgspec's message into 'recipe key a.b.c: problem'."""
-    message = str(exc)
-    match = _PATH_RE.search(message)
-    path = _key_path(match.group("path")) if match else "(top level)"
-    problem = message[: match.start()] if match else message
-    unknown = _UNKNOWN_RE.search(problem)
-    if unknown:
-        key = unknown.group("key") if path == "(top level)" else f"{path}.{unknown.group('key')}"
-        return RecipeError(f"recipe key {key}: unknown key (README.md lists the recipe keys)")
-    problem = problem.replace("Object missing required field", "missing required key")
-    return RecipeError(f"recipe key {path}: {problem.strip()}")
+def schema_problems(data: dict) -> list[Problem]:
+    """Every unknown key, missing key, wrong type and out-of-range value of the recipe data at once."""
+    return schema_check.problems(_validator(), data)
+
+
+def problem_line(problem: Problem) -> str:
+    """One line naming the key and what it needs: `recipe key train.cycles: expected integer >= 1; got integer 0`."""
+    what = {
+        "unknown": "unknown key (README.md lists the recipe keys)",
+        "missing": "missing required key; add it (README.md lists the recipe keys)",
+    }.get(problem.kind, problem.detail)
+    return f"recipe key {dotted(problem.path)}: {what}"
+
+
+def decode_recipe(data: dict, source: str = "recipe") -> Recipe:
+    """The Recipe of data that passed `schema_problems`."""
+    try:
+        return msgspec.convert(data, Recipe, strict=True)
+    except msgspec.ValidationError as exc:  # only what a JSON Schema cannot state; msgspec names the key itself
+        raise RecipeError(f"{source}: {exc}") from None
 
 
 def consistency_problems(recipe: Recipe) -> list[str]:
@@ -226,10 +246,10 @@ def load_recipe_data(text: str, source: str = "recipe") -> dict:
 
 def parse_recipe(text: str, source: str = "recipe") -> Recipe:
     data = load_recipe_data(text, source)
-    try:
-        recipe = msgspec.convert(data, Recipe, strict=True)
-    except msgspec.ValidationError as exc:
-        raise _recipe_error(exc) from None
+    found = schema_problems(data)
+    if found:  # the first; `miniverl validate` lists them all
+        raise RecipeError(problem_line(found[0]))
+    recipe = decode_recipe(data, source)
     _check_consistency(recipe)
     return recipe
 

@@ -16,13 +16,15 @@ import re
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import filelock
 import msgspec
 
-from miniverl.engine.core.atomic_io import append_line, write_bytes_atomic
-from miniverl.engine.core.errors import RunStateError
+from miniverl.engine.core import layout
+from miniverl.engine.core.artifacts import Manifest, decode_manifest, read_artifact, read_tensors_file
+from miniverl.engine.core.atomic_io import append_line, sha256_bytes, write_bytes_atomic
+from miniverl.engine.core.errors import ArtifactError, RunStateError
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
@@ -34,6 +36,7 @@ class StageRecord(msgspec.Struct):
     seconds: float | None = None
     peak_memory_bytes: int | None = None
     outputs: dict[str, str] = msgspec.field(default_factory=dict)  # relative path -> sha256
+    inputs: dict[str, str] = msgspec.field(default_factory=dict)  # relative path -> sha256 when read
     attempts: int = 0
     error: str | None = None
 
@@ -54,9 +57,9 @@ def check_run_id(run_id: str) -> str:
 class RunDir:
     def __init__(self, root: Path):
         self.root = root
-        self.journal_path = root / "journal.msgpack"
-        self.events_path = root / "events.jsonl"
-        self._lock = filelock.FileLock(str(root / "lock"), timeout=0)
+        self.journal_path = root / layout.JOURNAL_FILE
+        self.events_path = root / layout.EVENTS_FILE
+        self._lock = filelock.FileLock(str(root / layout.LOCK_FILE), timeout=0)
 
     @staticmethod
     def locate(runs_dir: Path, run_id: str) -> "RunDir":
@@ -79,14 +82,14 @@ class RunDir:
                 "wait for it to finish or stop it"
             ) from None
         try:
-            write_bytes_atomic(self.root / "lock.pid", str(os.getpid()).encode())
+            write_bytes_atomic(self.root / layout.LOCK_PID_FILE, str(os.getpid()).encode())
             yield
         finally:
             self._lock.release()
 
     def _holder_pid(self) -> str:
         try:
-            return (self.root / "lock.pid").read_text().strip() or "unknown"
+            return (self.root / layout.LOCK_PID_FILE).read_text().strip() or "unknown"
         except OSError:
             return "unknown"
 
@@ -120,9 +123,32 @@ class RunDir:
                 continue  # a torn last line from a killed process
         return events
 
-    # ------------------------------------------------------------- layout
-    def cycle_dir(self, cycle: int) -> str:
-        return f"cycles/{cycle:06d}"
+    # ------------------------------------------------------------- artifacts
+    def read_recorded(self, journal: Journal, ref: layout.Ref) -> Any:
+        """The artifact `ref` names if its producer is done and recorded it, else None.
 
-    def checkpoint_dir(self, step: int) -> str:
-        return f"checkpoints/{step:06d}"
+        The bytes must hash to what the journal recorded (ArtifactError otherwise).
+        """
+        record = journal.stages.get(ref.producer.id)
+        if record is None or record.state != "done" or ref.path not in record.outputs:
+            return None
+        path, digest = self.root / ref.path, record.outputs[ref.path]
+        if ref.kind == layout.TENSORS:
+            return read_tensors_file(path, digest)
+        if ref.kind == layout.JSON:
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                raise ArtifactError(f"{path}: missing") from None
+            if sha256_bytes(data) != digest:
+                raise ArtifactError(f"{path}: does not match the hash the journal recorded (corrupt or replaced)")
+            return json.loads(data)
+        return read_artifact(path, ref.kind, digest)
+
+    # ------------------------------------------------------------- manifest
+    def read_manifest(self) -> Manifest | None:
+        """The terminal manifest, once the run has one (None before, or if it is unreadable)."""
+        try:
+            return decode_manifest((self.root / layout.MANIFEST_FILE).read_bytes())
+        except (OSError, msgspec.DecodeError):
+            return None

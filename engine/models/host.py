@@ -23,20 +23,18 @@ from pathlib import Path
 import torch
 
 from miniverl.engine.core.device import torch_dtype
-from miniverl.engine.core.errors import IncompatibleModelsError
+from miniverl.engine.models.checks import Refusals, check_models
 from miniverl.engine.models.loading import (
     TEACHER_ADAPTER,
     AdapterView,
     TeacherAdapter,
     adapter_parameters,
     attach_lora,
-    check_teacher_adapter,
     decoder_and_head,
     is_quantized,
     load_adapter_state,
     load_causal_lm,
     load_teacher_adapter,
-    load_tokenizer,
     locate_model,
 )
 from miniverl.engine.core.recipe import Recipe
@@ -52,23 +50,14 @@ class ModelHost:
         self.shared = recipe.models.runtime == "shared_backbone"
         self._student = None
         self._teacher = None
-        self._tokenizer = None
         s, t = recipe.models.student, recipe.models.teacher
         self.student_dir: Path = locate_model("student", s.id, s.revision, s.path)
         self.teacher_dir: Path = locate_model("teacher", t.id, t.revision, t.path)
-        self.teacher_adapter: TeacherAdapter | None = None
-        if self.shared:
-            if self.teacher_dir.resolve() != self.student_dir.resolve():
-                raise IncompatibleModelsError(
-                    f"recipe key models.teacher.path: shared_backbone loads one base, but the student resolves to "
-                    f"{self.student_dir} and the teacher to {self.teacher_dir}; name the same directory or use dual_model")
-            self.teacher_adapter = check_teacher_adapter(t.adapter, s.id, s.revision)
-
-    @property
-    def tokenizer(self):
-        if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.student_dir)
-        return self._tokenizer
+        # The checks `miniverl run --dry-run` collects; here the first refusal raises, before any weight loads.
+        dirs = {"student": self.student_dir, "teacher": self.teacher_dir}
+        checked = check_models(recipe, dirs, Refusals(collect=False))
+        self.teacher_adapter: TeacherAdapter | None = checked.teacher_adapter
+        self.tokenizer = checked.tokenizer  # the student's; the checks loaded it to count its tokens
 
     @property
     def vocab_limit(self) -> int:

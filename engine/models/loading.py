@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import torch
 
+from miniverl.engine.core.atomic_io import sha256_file
 from miniverl.engine.core.errors import IncompatibleModelsError, UserError
 from miniverl.engine.core.recipe import BUILTIN_PREFIX, LoraSpec, TeacherAdapterSpec
 
@@ -47,10 +48,6 @@ def locate_model(role: str, model_id: str, revision: str | None, path: str | Non
             f"download it once (`huggingface-cli download {model_id} --revision {revision or 'main'}`) "
             f"or set models.{role}.path"
         ) from None
-
-
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def tokenizer_sha256(model_dir: Path) -> str:
@@ -224,7 +221,7 @@ def check_teacher_adapter(spec: TeacherAdapterSpec, base_id: str, base_revision:
         raise IncompatibleModelsError(
             f"{key}.base_id: the teacher adapter was trained on {spec.base_id}@{spec.base_revision}, "
             f"but the shared base is {base_id}@{base_revision}; use an adapter trained on this base revision")
-    digest = file_sha256(weights)
+    digest = sha256_file(weights)
     if spec.sha256 is None:
         raise UserError(f"{key}.sha256: missing; {weights} hashes to {digest}, record it so the run can prove "
                         f"which adapter it used")

@@ -17,13 +17,15 @@ that cannot fit, not a promise that one will; only a real run proves the fit.
 
 from __future__ import annotations
 
-import json
+import math
 import os
-import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from safetensors import safe_open
+
+from miniverl.engine.core import layout
 from miniverl.engine.core.recipe import Recipe
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -46,7 +48,8 @@ class ModelShape:
     intermediate: int
     tied: bool
     qk_norm: bool  # Qwen3 normalises q and k per head
-    qkv_bias: bool  # Qwen2 has biases on q, k and v
+    qkv_bias: bool  # Qwen2 always has biases on q, k and v; Llama and Qwen3 when attention_bias is set
+    o_bias: bool  # attention_bias also biases o_proj, except in Qwen2 (whose modeling code ignores it)
 
     @property
     def q_dim(self) -> int:
@@ -70,6 +73,7 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     model_type = str(config.get("model_type", ""))
+    attention_bias = bool(config.get("attention_bias", False))
     return ModelShape(
         vocab=int(config["vocab_size"]),
         hidden=hidden,
@@ -80,7 +84,8 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
         intermediate=int(config["intermediate_size"]),
         tied=bool(config.get("tie_word_embeddings", False)),
         qk_norm=model_type.startswith("qwen3"),
-        qkv_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+        qkv_bias=model_type == "qwen2" or attention_bias,
+        o_bias=model_type != "qwen2" and attention_bias,
     )
 
 
@@ -90,6 +95,7 @@ def parameter_counts(shape: ModelShape) -> tuple[int, int]:
     per_layer_small = 2 * shape.hidden  # input and post-attention norms
     per_layer_small += 2 * shape.head_dim if shape.qk_norm else 0
     per_layer_small += (shape.q_dim + 2 * shape.kv_dim) if shape.qkv_bias else 0
+    per_layer_small += shape.hidden if shape.o_bias else 0
     embeddings = shape.vocab * shape.hidden * (1 if shape.tied else 2)
     total = linear + shape.layers * per_layer_small + shape.hidden + embeddings
     return total, linear
@@ -102,21 +108,17 @@ def lora_parameters(shape: ModelShape, target_modules: list[str], r: int) -> int
 
 
 def checkpoint_tensors(model_dir: Path) -> dict[str, int] | None:
-    """Tensor name -> element count from the safetensors headers (no weights read); None without them."""
+    """Tensor name -> element count from the safetensors headers; None without them.
+
+    `get_slice(...).get_shape()` reads the header only: no tensor is loaded."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         return None
     counts: dict[str, int] = {}
     for file in files:
-        with file.open("rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(length))
-        for name, info in header.items():
-            if name != "__metadata__":
-                elements = 1
-                for dim in info["shape"]:
-                    elements *= dim
-                counts[name] = elements
+        with safe_open(file, framework="pt") as checkpoint:
+            for name in checkpoint.keys():
+                counts[name] = math.prod(checkpoint.get_slice(name).get_shape())
     return counts
 
 
@@ -234,15 +236,15 @@ def estimate(recipe: Recipe, student: ModelShape, teacher: ModelShape, device: s
         if b == FP32 else 0
     overhead = RUNTIME_OVERHEAD[device]
     return [
-        StageEstimate("preflight", student_w + teacher_w, lora, 0, 0, 0, overhead),
-        StageEstimate("verify", weights("student"), lora, kv(student, verify_batch),
+        StageEstimate(layout.PREFLIGHT, student_w + teacher_w, lora, 0, 0, 0, overhead),
+        StageEstimate(layout.VERIFY, weights("student"), lora, kv(student, verify_batch),
                       one_layer(student, verify_batch), sampling(student, verify_batch), overhead),
-        StageEstimate("rollout", weights("student"), lora, kv(student, rollout_batch),
+        StageEstimate(layout.ROLLOUT, weights("student"), lora, kv(student, rollout_batch),
                       one_layer(student, rollout_batch), sampling(student, rollout_batch), overhead),
-        StageEstimate("teacher_score", weights("teacher"), lora, 0, one_layer(teacher, micro), teacher_chunk, overhead),
-        StageEstimate("gradient", weights("student", "teacher") if exact else weights("student"), 2 * lora, 0,
+        StageEstimate(layout.TEACHER_SCORE, weights("teacher"), lora, 0, one_layer(teacher, micro), teacher_chunk, overhead),
+        StageEstimate(layout.GRADIENT, weights("student", "teacher") if exact else weights("student"), 2 * lora, 0,
                       all_layers(student, micro),
                       chunk * student.vocab * loss_bytes * LOSS_TEMPORARIES[recipe.loss.mode] + head_copies,
                       overhead),
-        StageEstimate("optimizer_step", weights("student"), 3 * lora + lora // FP32 * moments, 0, 0, 0, overhead),
+        StageEstimate(layout.OPTIMIZER_STEP, weights("student"), 3 * lora + lora // FP32 * moments, 0, 0, 0, overhead),
     ]

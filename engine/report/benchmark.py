@@ -5,24 +5,26 @@ configuration, provenance (device, driver, torch, CUDA and library versions,
 model revisions and config hashes, tokenizer hash), what was measured
 (per-stage seconds and peak memory, rollout throughput, OOM retries, loss and
 KL per cycle, the verifier before and after) and the submitter's notes. Its
-schema is engine.benchmark_schema; a document is checked against it before it
-is written, and `validate-benchmark` checks one received from anyone.
+types are the Structs of engine.report.benchmark_schema, whose JSON Schema a
+document is checked against before it is written; `validate-benchmark` checks
+one received from anyone.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miniverl.engine.report.benchmark_schema import FORMAT, FORMAT_VERSION, SCHEMA
-from miniverl.engine.core.errors import MiniverlError, RunStateError, UserError
-from miniverl.engine.report.json_schema import validate
+import msgspec
 
-if TYPE_CHECKING:
+from miniverl.engine.core.errors import MiniverlError, RunStateError, UserError
+from miniverl.engine.report.benchmark_schema import FORMAT, FORMAT_VERSION, problems
+
+if TYPE_CHECKING:  # both import torch, which validate-benchmark does without
+    from miniverl.engine.core.artifacts import Manifest
     from miniverl.engine.report.summary import RunSummary
 
 LIBRARIES = ("transformers", "peft", "bitsandbytes", "tokenizers", "safetensors", "msgspec")
@@ -33,18 +35,16 @@ def _finite(value: float | None) -> float | None:
 
 
 def _version() -> str:
-    try:
-        return importlib.metadata.version("miniverl")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+    from miniverl.engine.core.device import package_version  # here, not at the top: validate-benchmark needs no torch
+
+    return package_version("miniverl") or "unknown"
 
 
-def _provenance(manifest: dict[str, Any]) -> dict[str, Any]:
-    env = manifest["environment"]
-    device = manifest["resolved"]["device"]["value"]
+def _provenance(manifest: Manifest) -> dict[str, Any]:
+    env = manifest.environment
     driver = env.get("driver")
     return {
-        "device": device,
+        "device": manifest.resolved["device"].value,
         "gpu": env.get("gpu"),
         "vram_gib": float(env["gpu_memory_gib"]) if "gpu_memory_gib" in env else None,
         "compute_capability": env.get("compute_capability"),
@@ -54,9 +54,9 @@ def _provenance(manifest: dict[str, Any]) -> dict[str, Any]:
         "torch": env["torch"],
         "cuda_build": None if env.get("cuda_build") in (None, "None") else env["cuda_build"],
         "libraries": {name: env[name] for name in LIBRARIES if name in env},
-        "models": [{key: m[key] for key in ("role", "id", "revision", "config_sha256", "architecture", "num_parameters")}
-                   for m in manifest["models"]],
-        "tokenizer_sha256": manifest["tokenizer"]["student_sha256"],
+        "models": [{"role": m.role, "id": m.id, "revision": m.revision, "config_sha256": m.config_sha256,
+                    "architecture": m.architecture, "num_parameters": m.num_parameters} for m in manifest.models],
+        "tokenizer_sha256": manifest.tokenizer.student_sha256,
     }
 
 
@@ -88,8 +88,12 @@ def build(summary: RunSummary, notes: str) -> dict[str, Any]:
     if manifest is None or summary.row.status != "done":
         raise RunStateError(f"run {summary.row.run_id} has status {summary.row.status}: a hardware result needs a finished run "
                             f"with a manifest; finish it with `miniverl resume {summary.row.run_id}`")
-    verify = {label: {key: manifest[source][key] for key in ("tasks", "tool_call_rate", "format_validity", "strict_success")}
-              for label, source in (("baseline", "verify_baseline"), ("final", "verify"))}
+    from miniverl.engine.core.layout import BASELINE, FINAL
+
+    verify = {label: {"tasks": v.tasks, "tool_call_rate": v.tool_call_rate, "format_validity": v.format_validity,
+                      "strict_success": v.strict_success}
+              for label, v in ((BASELINE, manifest.verify_baseline), (FINAL, manifest.verify))}
+    device = manifest.resolved["device"].value
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -97,11 +101,11 @@ def build(summary: RunSummary, notes: str) -> dict[str, Any]:
         "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "run_id": summary.row.run_id,
         "notes": notes,
-        "configuration": {"recipe": manifest["recipe"], "resolved": manifest["resolved"]},
+        "configuration": {"recipe": manifest.recipe, "resolved": msgspec.to_builtins(manifest.resolved)},
         "provenance": _provenance(manifest),
-        "measurements": _measurements(summary, manifest["resolved"]["device"]["value"]),
-        "verifier": {**verify, "quality_gate": {"passed": manifest["quality_gate"]["passed"],
-                                                "reason": manifest["quality_gate"]["reason"]}},
+        "measurements": _measurements(summary, device),
+        "verifier": {**verify, "quality_gate": {"passed": manifest.quality_gate.passed,
+                                                "reason": manifest.quality_gate.reason}},
     }
 
 
@@ -112,9 +116,9 @@ def export(run_id: str, runs_dir: Path, notes: str, out: Path | None) -> Path:
 
     run, recipe = open_run(run_id, runs_dir)
     document = build(summarize(run, recipe), notes)
-    problems = validate(document, SCHEMA)
-    if problems:  # our own output must conform; a failure here is a miniverl bug
-        raise MiniverlError(f"the exported document breaks its own schema: {problems[0]}")
+    broken = problems(document)
+    if broken:  # our own output must conform; a failure here is a miniverl bug
+        raise MiniverlError(f"the exported document breaks its own schema: {broken[0]}")
     path = out or run.root / "hardware_result.json"
     write_bytes_atomic(path, (json.dumps(document, indent=2, sort_keys=True, allow_nan=False) + "\n").encode())
     return path
@@ -133,5 +137,6 @@ def load_json(path: Path, what: str) -> Any:
 
 def check_file(path: Path, schema_path: Path | None = None) -> list[str]:
     """Every way the document at `path` breaks the hardware-result schema (or `schema_path`)."""
-    schema = SCHEMA if schema_path is None else load_json(schema_path, "schema")
-    return validate(load_json(path, "hardware result"), schema)
+    schema = None if schema_path is None else load_json(schema_path, "schema")
+    document = load_json(path, "hardware result")
+    return problems(document, schema, source=f"schema {schema_path}")

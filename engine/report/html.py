@@ -13,6 +13,7 @@ import time
 from html import escape
 from pathlib import Path
 
+from miniverl.engine.core import layout
 from miniverl.engine.core.artifacts import PROVENANCE_MODEL, PROVENANCE_PROMPT, PROVENANCE_TOOL
 from miniverl.engine.report.summary import RunSummary, stage_totals
 from miniverl.engine.report.svg_charts import bar_chart, hbar_chart, line_chart
@@ -52,16 +53,15 @@ def _header(summary: RunSummary) -> str:
              f"{row.cycles_done}/{summary.recipe.train.cycles} cycles, "
              f"last stage done {escape(row.last_stage_done or '-')}.</p>"]
     if manifest is not None:
-        gate = manifest["quality_gate"]
-        verdict = '<span class="pass">passed</span>' if gate["passed"] else '<span class="fail">FAILED</span>'
-        lines.append(f"<p>Quality gate {verdict} ({escape(gate['reason'])}); strict held-out success "
-                     f"{_percent(manifest['verify_baseline']['strict_success'])} &rarr; "
-                     f"{_percent(manifest['verify']['strict_success'])}, final tool-call rate "
-                     f"{_percent(manifest['verify']['tool_call_rate'])}; OOM retries {manifest['oom_retries']}.</p>")
-        env = manifest.get("environment", {})
+        gate, env, resolved = manifest.quality_gate, manifest.environment, manifest.resolved
+        verdict = '<span class="pass">passed</span>' if gate.passed else '<span class="fail">FAILED</span>'
+        lines.append(f"<p>Quality gate {verdict} ({escape(gate.reason)}); strict held-out success "
+                     f"{_percent(manifest.verify_baseline.strict_success)} &rarr; "
+                     f"{_percent(manifest.verify.strict_success)}, final tool-call rate "
+                     f"{_percent(manifest.verify.tool_call_rate)}; OOM retries {manifest.oom_retries}.</p>")
+        device, dtype = (resolved[k].value if k in resolved else "?" for k in ("device", "dtype"))
         lines.append(f"<p class=\"note\">{escape(env.get('gpu', 'CPU'))}, torch {escape(env.get('torch', '?'))}, "
-                     f"device {escape(str(manifest['resolved'].get('device', {}).get('value', '?')))}, "
-                     f"dtype {escape(str(manifest['resolved'].get('dtype', {}).get('value', '?')))}</p>")
+                     f"device {escape(device)}, dtype {escape(dtype)}</p>")
     else:
         lines.append('<p class="note">No manifest yet: the run has not finished; figures below are what it has.</p>')
     return "".join(lines)
@@ -78,7 +78,7 @@ def _charts(summary: RunSummary) -> str:
             "rollout strict success": [(c.cycle, c.rollout_success) for c in cycles if c.rollout_success is not None],
         }, "cycle", "rate", percent=True),
     ]
-    labels = [label for label in ("baseline", "final") if label in summary.verify]
+    labels = [label for label in layout.VERIFY_LABELS if label in summary.verify]
     if labels:
         groups = ["tool-call rate", "strict success", "format validity"]
         charts.append(bar_chart("Held-out verifier", groups, {
@@ -159,7 +159,8 @@ def write_tensorboard(summary: RunSummary, directory: Path) -> str:
                            ("rollout/strict_success", c.rollout_success), ("rollout/tokens_per_second", c.tokens_per_second)):
             if value is not None:
                 writer.add_scalar(tag, value, c.cycle)
-    for step, label in ((0, "baseline"), (summary.recipe.train.cycles, "final")):
+    for label in layout.VERIFY_LABELS:
+        step = layout.verified_step(label, summary.recipe.train.cycles)
         if label in summary.verify:
             writer.add_scalar("verify/strict_success", summary.verify[label].strict_success, step)
             writer.add_scalar("verify/tool_call_rate", summary.verify[label].tool_call_rate, step)

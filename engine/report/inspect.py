@@ -10,14 +10,15 @@ from rich.table import Table
 from rich.text import Text
 
 from miniverl.engine.core.artifacts import (
-    PROVENANCE_MODEL, PROVENANCE_PROMPT, Checkpoint, Envelope, Gradient, Preflight, Rollout, TeacherScore,
+    PROVENANCE_MODEL, PROVENANCE_PROMPT, PROVENANCE_TOOL, Checkpoint, Envelope, Gradient, Preflight, Rollout, TeacherScore,
     VerifyReport, decode_artifact, read_tensors,
 )
-from miniverl.engine.core.errors import ArtifactError, MiniverlError, UserError
+from miniverl.engine.core import layout
+from miniverl.engine.core.errors import ArtifactError, MiniverlError
 from miniverl.engine.core.rundir import RunDir
 
 KINDS = {k.__name__: k for k in (Preflight, Checkpoint, Rollout, TeacherScore, Gradient, VerifyReport)}
-SPAN_STYLE = {PROVENANCE_PROMPT: "dim", PROVENANCE_MODEL: "bold green", 2: "cyan"}
+SPAN_STYLE = {PROVENANCE_PROMPT: "dim", PROVENANCE_MODEL: "bold green", PROVENANCE_TOOL: "cyan"}
 
 
 def load_any(path: Path):
@@ -34,7 +35,7 @@ def load_any(path: Path):
 def run_root_of(path: Path) -> Path | None:
     """The run directory an artifact file lies in (the nearest parent with a journal), if any."""
     for parent in path.resolve().parents:
-        if (parent / "journal.msgpack").is_file():
+        if (parent / layout.JOURNAL_FILE).is_file():
             return parent
     return None
 
@@ -57,8 +58,8 @@ def show_file(console: Console, path: Path, limit: int) -> None:
     artifact = load_any(path)
     root = run_root_of(path)
     tokenizer = None
-    if root is not None and (root / "recipe.yaml").is_file():
-        tokenizer = student_tokenizer(parse_recipe((root / "recipe.yaml").read_text(encoding="utf-8")))
+    if root is not None and (root / layout.RECIPE_FILE).is_file():
+        tokenizer = student_tokenizer(parse_recipe((root / layout.RECIPE_FILE).read_text(encoding="utf-8")))
     show(console, artifact, root, tokenizer, limit)
 
 
@@ -111,21 +112,5 @@ def show(console: Console, artifact, run_root: Path | None, tokenizer, limit: in
         console.print(msgspec.to_builtins(artifact))
 
 
-STAGE_FILES = {
-    "preflight": "preflight.msgpack",
-    "rollout": "cycles/{c:06d}/rollout.msgpack",
-    "teacher_score": "cycles/{c:06d}/teacher_score.msgpack",
-    "gradient": "cycles/{c:06d}/gradient.msgpack",
-    "optimizer_step": "checkpoints/{n:06d}/checkpoint.msgpack",
-    "verify": "verify/report.msgpack",
-}
-
-
-def artifact_path(run: RunDir, stage: str, cycle: int | None) -> Path:
-    if stage not in STAGE_FILES:
-        raise UserError(f"inspect knows the stages {', '.join(STAGE_FILES)}; or pass an artifact file path")
-    template = STAGE_FILES[stage]
-    if "{c" in template or "{n" in template:
-        if cycle is None:
-            raise UserError(f"inspect {stage} needs --cycle K")
-    return run.root / template.format(c=cycle or 0, n=(cycle or 0) + 1)
+def artifact_path(run: RunDir, stage: str, cycle: int | None, label: str | None = None) -> Path:
+    return run.root / layout.shown_artifact(stage, cycle, label).path

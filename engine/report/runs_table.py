@@ -7,19 +7,17 @@ is tried without waiting and released at once.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import filelock
 
+from miniverl.engine.core import layout
 from miniverl.engine.core.errors import MiniverlError
+from miniverl.engine.core.layout import stage_order
 from miniverl.engine.core.recipe import parse_recipe
 from miniverl.engine.core.rundir import Journal, RunDir
-
-CYCLE_STAGES = ("rollout", "teacher_score", "gradient", "optimizer_step")
-
 
 @dataclass(frozen=True)
 class RunRow:
@@ -34,16 +32,8 @@ class RunRow:
     wall_seconds: float | None
 
 
-def stage_order(stage_id: str) -> tuple[int, int, int]:
-    """Plan order of a journal key: preflight, verify@baseline, cycles in order, verify@final, manifest."""
-    if "/" in stage_id:
-        cycle, name = stage_id.split("/", 1)
-        return 2, int(cycle.lstrip("c") or 0), CYCLE_STAGES.index(name) if name in CYCLE_STAGES else 9
-    return {"preflight": (0, 0, 0), "verify@baseline": (1, 0, 0), "verify@final": (3, 0, 0)}.get(stage_id, (4, 0, 0))
-
-
 def lock_held(run: RunDir) -> bool:
-    lock = filelock.FileLock(str(run.root / "lock"), timeout=0)
+    lock = filelock.FileLock(str(run.root / layout.LOCK_FILE), timeout=0)
     try:
         lock.acquire()
     except filelock.Timeout:
@@ -58,7 +48,7 @@ def _status(run: RunDir, journal: Journal) -> str:
     if lock_held(run):
         return "running"
     states = {key: record.state for key, record in journal.stages.items()}
-    if states.get("manifest") == "done":
+    if states.get(layout.StageKey(layout.MANIFEST).id) == "done":
         return "done"
     if "failed" in states.values():
         return "failed"
@@ -67,19 +57,17 @@ def _status(run: RunDir, journal: Journal) -> str:
 
 def _cycles(run: RunDir) -> int | None:
     try:
-        return parse_recipe((run.root / "recipe.yaml").read_text(encoding="utf-8")).train.cycles
+        return parse_recipe((run.root / layout.RECIPE_FILE).read_text(encoding="utf-8")).train.cycles
     except (OSError, MiniverlError):
         return None
 
 
 def _manifest_figures(run: RunDir) -> tuple[str | None, str | None]:
-    try:
-        manifest = json.loads((run.root / "manifest.json").read_text())
-        before, after = manifest["verify_baseline"]["strict_success"], manifest["verify"]["strict_success"]
-        gate = "passed" if manifest["quality_gate"]["passed"] else "FAILED"
-    except (OSError, ValueError, KeyError, TypeError):
+    manifest = run.read_manifest()
+    if manifest is None:
         return None, None
-    return f"{before:.1%} -> {after:.1%}", gate
+    gate = "passed" if manifest.quality_gate.passed else "FAILED"
+    return f"{manifest.verify_baseline.strict_success:.1%} -> {manifest.verify.strict_success:.1%}", gate
 
 
 def run_row(run: RunDir) -> RunRow:
@@ -95,7 +83,7 @@ def run_row(run: RunDir) -> RunRow:
     return RunRow(
         run_id=run.root.name,
         status=_status(run, journal),
-        cycles_done=sum(1 for key in done if key.endswith("/optimizer_step")),
+        cycles_done=sum(1 for key in done if layout.StageKey.parse(key).name == layout.OPTIMIZER_STEP),
         cycles=_cycles(run),
         last_stage_done=done[-1] if done else None,
         strict_success=success,
@@ -108,7 +96,7 @@ def run_row(run: RunDir) -> RunRow:
 def list_runs(runs_dir: Path) -> list[RunRow]:
     if not runs_dir.is_dir():
         return []
-    runs = [RunDir(path) for path in sorted(runs_dir.iterdir()) if (path / "journal.msgpack").is_file()]
+    runs = [RunDir(path) for path in sorted(runs_dir.iterdir()) if (path / layout.JOURNAL_FILE).is_file()]
     return sorted((run_row(run) for run in runs), key=lambda row: (row.started or 0.0, row.run_id))
 
 

@@ -7,15 +7,16 @@ A run that is not finished yields what it has so far.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from miniverl.engine.core.artifacts import Gradient, Rollout, Trajectory, VerifyReport, read_artifact
+from miniverl.engine.core import layout
+from miniverl.engine.core.artifacts import Manifest, Rollout, Trajectory, VerifyReport
+from miniverl.engine.core.layout import Ref, stage_order
 from miniverl.engine.core.errors import MiniverlError
 from miniverl.engine.core.recipe import Recipe
-from miniverl.engine.core.rundir import RunDir
-from miniverl.engine.report.runs_table import RunRow, run_row, stage_order
+from miniverl.engine.core.rundir import Journal, RunDir
+from miniverl.engine.report.runs_table import RunRow, run_row
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class RunSummary:
     stages: list[StageFigures]
     verify: dict[str, VerifyReport]  # baseline | final
     rollouts: dict[int, Rollout]
-    manifest: dict[str, Any] | None
+    manifest: Manifest | None
     device: str | None  # as preflight resolved it (resolved.json)
     missing: list[str] = field(default_factory=list)  # artifacts that could not be read, and why
 
@@ -67,12 +68,10 @@ class RunSummary:
         return [(c, t) for c in picked for t in self.rollouts[c].trajectories[:per_cycle]]
 
 
-def _read(run: RunDir, journal, stage_id: str, relative: str, kind, missing: list[str]):
-    record = journal.stages.get(stage_id)
-    if record is None or record.state != "done" or relative not in record.outputs:
-        return None
+def _read(run: RunDir, journal: Journal, ref: Ref, missing: list[str]) -> Any:
+    """The artifact if its stage is done and its bytes are the ones journaled; else None (and why)."""
     try:
-        return read_artifact(run.root / relative, kind, record.outputs[relative])
+        return run.read_recorded(journal, ref)
     except MiniverlError as exc:
         missing.append(str(exc))
         return None
@@ -87,14 +86,14 @@ def summarize(run: RunDir, recipe: Recipe) -> RunSummary:
     missing: list[str] = []
     cycles, rollouts = [], {}
     for c in range(recipe.train.cycles):
-        rollout = _read(run, journal, f"c{c:06d}/rollout", f"{run.cycle_dir(c)}/rollout.msgpack", Rollout, missing)
-        grad = _read(run, journal, f"c{c:06d}/gradient", f"{run.cycle_dir(c)}/gradient.msgpack", Gradient, missing)
+        rollout = _read(run, journal, layout.rollout_ref(c), missing)
+        grad = _read(run, journal, layout.gradient_ref(c), missing)
         if rollout is None and grad is None:
             continue
         if rollout is not None:
             rollouts[c] = rollout
         trajectories = rollout.trajectories if rollout is not None else []
-        record = journal.stages.get(f"c{c:06d}/rollout")
+        record = journal.stages.get(layout.rollout_ref(c).producer.id)
         cycles.append(CycleFigures(
             cycle=c,
             loss=grad.loss if grad else None,
@@ -107,19 +106,16 @@ def summarize(run: RunDir, recipe: Recipe) -> RunSummary:
             oom_retries=sum(1 for a in grad.attempts if not a.ok) if grad else 0,
         ))
     verify = {}
-    for label, relative in (("baseline", "verify/baseline.msgpack"), ("final", "verify/report.msgpack")):
-        report = _read(run, journal, f"verify@{label}", relative, VerifyReport, missing)
+    for label in layout.VERIFY_LABELS:
+        report = _read(run, journal, layout.verify_ref(label), missing)
         if report is not None:
             verify[label] = report
     stages = [StageFigures(key, rec.state, rec.seconds, rec.peak_memory_bytes, rec.attempts)
               for key, rec in sorted(journal.stages.items(), key=lambda item: stage_order(item[0]))]
+    manifest = run.read_manifest()
     try:
-        manifest = json.loads((run.root / "manifest.json").read_text())
-    except (OSError, ValueError):
-        manifest = None
-    try:
-        device = json.loads((run.root / "resolved.json").read_text())["resolved"]["device"]["value"]
-    except (OSError, ValueError, KeyError, TypeError):
+        device = _read(run, journal, layout.resolved_ref(), missing)["resolved"]["device"]["value"]
+    except (KeyError, TypeError):
         device = None
     return RunSummary(run, recipe, run_row(run), cycles, stages, verify, rollouts, manifest, device, missing)
 
@@ -130,7 +126,7 @@ def stage_totals(stages: list[StageFigures]) -> dict[str, dict[str, float | int]
     for s in stages:
         if s.state != "done":
             continue
-        name = s.stage.split("/", 1)[-1]
+        name = layout.StageKey.parse(s.stage).name
         entry = totals.setdefault(name, {"seconds": 0.0, "peak_memory_bytes": 0, "count": 0})
         entry["seconds"] += s.seconds or 0.0
         entry["peak_memory_bytes"] = max(entry["peak_memory_bytes"], s.peak_memory_bytes or 0)

@@ -6,22 +6,23 @@ import pytest
 
 from support import SMALL, manifest, miniverl, recipe_dict, write_recipe
 
-# One kill point inside each of the seven stages; the instants between a stage's
-# outputs and its journal entry; during the optimizer step; and inside the writes
+# One kill point inside each of the seven stages (the driver's `ID:start`,
+# `ID:inputs-read`, `ID:computed`, `ID:wrote:PATH` after each output file); the
+# instants between a stage's outputs and its journal entry; and inside the writes
 # of every kind of file (`write:NAME[#K]`: the K-th write of NAME is killed after
 # its new bytes are fsynced to the temporary file, before the rename).
 KILL_POINTS = [
     "preflight:start",
-    "checkpoint0:after-adapter",
+    "preflight:wrote:checkpoints/000000/adapter.safetensors",
     "verify@baseline:start",
     "c000000/rollout:start",
     "c000000/rollout:before-journal",
     "c000000/teacher_score:start",
     "c000001/teacher_score:before-journal",
-    "c000000/gradient:compute",
+    "c000000/gradient:inputs-read",
     "c000001/gradient:before-journal",
-    "c000000/optimizer_step:after-update",
-    "checkpoint2:after-adapter",
+    "c000000/optimizer_step:computed",
+    "c000001/optimizer_step:wrote:checkpoints/000002/adapter.safetensors",
     "c000001/optimizer_step:before-journal",
     "verify@final:start",
     "manifest:start",

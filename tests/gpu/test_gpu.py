@@ -151,7 +151,7 @@ def test_paged_adamw8bit_state_survives_save_and_restore():
 
     from miniverl.engine.core.recipe import parse_recipe
     from miniverl.stages.optimizer_step import make_optimizer
-    from miniverl.stages.optimizer_step import run as optimizer_step
+    from miniverl.stages.optimizer_step import step as optimizer_step
 
     recipe = parse_recipe((ROOT / "recipes" / "qwen_consumer_gpu_calc.yaml").read_text())
     gen = torch.Generator().manual_seed(0)
@@ -172,7 +172,7 @@ def test_paged_adamw8bit_state_survives_save_and_restore():
     uninterrupted = {n: p.detach().cpu() for n, p in zip(names, params)}
 
     # The stage: step, save (safetensors bytes + scalars), a fresh process restores, step.
-    first, tensors, scalars, _ = optimizer_step(recipe, "paged_adamw_8bit", "cuda", adapter, {}, {}, grads[0])
+    first, tensors, scalars = optimizer_step(recipe, "paged_adamw_8bit", "cuda", adapter, {}, {}, grads[0])
     assert any(t.dtype == torch.uint8 for t in tensors.values())  # the 8-bit state really is 8-bit
     tensors = st_load(st_save(tensors))
     second, *_ = optimizer_step(recipe, "paged_adamw_8bit", "cuda", first, tensors, scalars, grads[1])
@@ -216,8 +216,8 @@ def test_swap_frees_gpu_memory_and_changes_no_result(tmp_path, model_dirs):
         rollout = _synthetic(host)
         adapter = {n: t.cpu() for n, t in host.initial_adapter().items()}
         adapter = {n: t + 0.01 if "lora_B" in n else t for n, t in adapter.items()}
-        _, scores = teacher_score.run(recipe, host, rollout, quiet)
-        grads, *_ = gradient.run(recipe, host, rollout, scores, adapter, quiet)
+        _, scores = teacher_score.score(recipe, host, rollout, quiet)
+        grads = gradient.compute(recipe, host, rollout, scores, adapter, quiet).grads
         results[strategy] = (scores["teacher_hidden"], _flat(grads))
         del host
     assert torch.equal(results["swap"][0], results["resident"][0])
@@ -251,10 +251,10 @@ def test_real_cuda_oom_halves_the_chunk_and_the_manifest_records_it(tmp_path, mo
     from miniverl.engine.run.commands import start_run
     from miniverl.stages import gradient
 
-    real_run = gradient.run
+    real_compute = gradient.compute
     seen = {}
 
-    def capped_run(recipe, host, rollout, teacher, adapter, reporter, on_retry=None):
+    def capped_compute(recipe, host, rollout, teacher, adapter, reporter, on_retry=None):
         import msgspec
 
         peaks = {}
@@ -263,7 +263,7 @@ def test_real_cuda_oom_halves_the_chunk_and_the_manifest_records_it(tmp_path, mo
             _free()
             torch.cuda.reset_peak_memory_stats()
             start = torch.cuda.memory_allocated()
-            grads, *_ = real_run(variant, host, rollout, teacher, adapter, reporter)
+            grads = real_compute(variant, host, rollout, teacher, adapter, reporter).grads
             peaks[chunk] = torch.cuda.max_memory_allocated() - start
             seen[f"uncapped_{chunk}"] = _flat(grads)
         _free()
@@ -272,11 +272,11 @@ def test_real_cuda_oom_halves_the_chunk_and_the_manifest_records_it(tmp_path, mo
         seen.update(peaks=peaks, cap=cap)
         torch.cuda.set_per_process_memory_fraction(cap / total)
         try:
-            return real_run(recipe, host, rollout, teacher, adapter, reporter, on_retry)
+            return real_compute(recipe, host, rollout, teacher, adapter, reporter, on_retry)
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0)
 
-    monkeypatch.setattr(gradient, "run", capped_run)
+    monkeypatch.setattr(gradient, "compute", capped_compute)
     path = _recipe(tmp_path, model_dirs)
     start_run(path, "oom", tmp_path / "runs", Reporter(enabled=False))
     run_dir = tmp_path / "runs" / "oom"

@@ -1,9 +1,12 @@
+import copy
 
+import jsonschema
+import msgspec
 import pytest
 import yaml
 
 from miniverl.engine.core.errors import RecipeError
-from miniverl.engine.core.recipe import load_recipe, parse_recipe
+from miniverl.engine.core.recipe import Recipe, load_recipe, parse_recipe, problem_line, schema_problems
 
 from support import ROOT
 BASE = yaml.safe_load((ROOT / "recipes" / "tiny_calc.yaml").read_text())
@@ -47,9 +50,59 @@ def test_bad_values_name_the_key(path, value, needle):
 
 
 def test_missing_required_key_and_missing_file(tmp_path):
-    with pytest.raises(RecipeError, match="missing required key `models`"):
+    with pytest.raises(RecipeError, match="recipe key models: missing required key"):
         parse_recipe(_with("models", None, delete=True))
+    with pytest.raises(RecipeError, match="recipe key models.student.id: missing required key"):
+        parse_recipe(_with("models.student.id", None, delete=True))
     with pytest.raises(RecipeError, match="does not exist"):
         load_recipe(tmp_path / "nope.yaml")
     with pytest.raises(RecipeError, match="not valid YAML"):
         parse_recipe("name: [unclosed")
+
+
+@pytest.mark.parametrize("path,value,message", [
+    ("train.cycles", 0, "recipe key train.cycles: expected integer >= 1; got integer 0"),
+    ("train.cycles", "ten", "recipe key train.cycles: expected integer >= 1; got string 'ten'"),
+    ("train.cycles", 3.0, "recipe key train.cycles: expected integer >= 1; got number 3.0"),  # as msgspec: no floats
+    ("train.gradient_checkpointing", 1, "recipe key train.gradient_checkpointing: expected boolean; got integer 1"),
+    ("loss.mode", "full", "recipe key loss.mode: expected one of 'exact', 'sampled_kl', 'topk_tail'; got string 'full'"),
+    ("rollout.top_p", 1.5, "recipe key rollout.top_p: expected number > 0 and <= 1; got number 1.5"),
+    ("rollout.temperature", float("nan"), "recipe key rollout.temperature: expected number > 0; got number nan"),
+    ("models.student.revision", 5, "recipe key models.student.revision: expected string or null; got integer 5"),
+    ("models.teacher.adapter", 5, "recipe key models.teacher.adapter: expected a mapping or null; got integer 5"),
+    ("models.student.lora.target_modules", ["q_proj", 3],
+     "recipe key models.student.lora.target_modules.1: expected string; got integer 3"),
+    ("train", [1], "recipe key train: expected a mapping; got a list"),
+])
+def test_messages_say_what_the_key_expects(path, value, message):
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(_with(path, value))
+    assert str(info.value) == message
+
+
+def test_every_problem_is_found_at_once_and_parse_raises_the_first():
+    data = copy.deepcopy(BASE)  # in the file's key order
+    data["train"]["cyclez"] = 3
+    data["loss"]["chunk_size"] = 0
+    data["models"]["teacher"]["adapter"] = {"path": 3}  # a nested section: its own keys are named
+    lines = [problem_line(problem) for problem in schema_problems(data)]
+    assert lines == [
+        "recipe key models.teacher.adapter.path: expected string; got integer 3",
+        "recipe key models.teacher.adapter.base_id: missing required key; add it (README.md lists the recipe keys)",
+        "recipe key train.cyclez: unknown key (README.md lists the recipe keys)",
+        "recipe key loss.chunk_size: expected integer >= 1; got integer 0",
+    ]  # in the order the keys appear in the file
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(yaml.safe_dump(data, sort_keys=False))
+    assert str(info.value) == lines[0]
+
+
+def test_the_schema_is_the_recipe_structs():
+    """The JSON Schema checked is msgspec's own view of Recipe: what it accepts, msgspec decodes."""
+    schema = msgspec.json.schema(Recipe)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    assert set(schema["$defs"]["Recipe"]["properties"]) == set(Recipe.__struct_fields__)
+    for path in (ROOT / "recipes").glob("*.yaml"):
+        data = yaml.safe_load(path.read_text())
+        assert schema_problems(data) == [], path
+        msgspec.convert(data, Recipe, strict=True)

@@ -46,12 +46,13 @@ def test_checkpointing_gives_the_same_gradient(tiny_dirs):
     adapter = host.initial_adapter()
     gen = torch.Generator().manual_seed(0)
     adapter = {n: t + 0.05 * torch.randn(t.shape, generator=gen) if "lora_B" in n else t for n, t in adapter.items()}
-    trajectories = rollout.run(recipe, host, adapter, "test", 0, QUIET)
-    _, scores = teacher_score.run(recipe, host, trajectories, QUIET)
+    trajectories = rollout.sample(recipe, host, adapter, "test", 0, QUIET)
+    _, scores = teacher_score.score(recipe, host, trajectories, QUIET)
     results = {}
     for enabled in (False, True):
         variant = msgspec.structs.replace(recipe, train=msgspec.structs.replace(recipe.train, gradient_checkpointing=enabled))
-        grads, stats, *_ = gradient.run(variant, host, trajectories, scores, adapter, QUIET)
+        result = gradient.compute(variant, host, trajectories, scores, adapter, QUIET)
+        grads, stats = result.grads, result.stats
         results[enabled] = (torch.cat([grads[n].flatten() for n in sorted(grads)]), stats.loss_sum)
         causal = base_model(host.student())
         assert not causal.training and not getattr(causal, "_require_grads_hooks", None)

@@ -16,7 +16,8 @@ import torch
 from support import SMALL, miniverl, recipe_dict, write_recipe
 from miniverl.engine.core.errors import IncompatibleModelsError, RecipeError, UserError
 from miniverl.engine.models.host import ModelHost
-from miniverl.engine.models.loading import adapter_parameters, attach_lora, decoder_and_head, file_sha256, load_causal_lm
+from miniverl.engine.core.atomic_io import sha256_file
+from miniverl.engine.models.loading import adapter_parameters, attach_lora, decoder_and_head, load_causal_lm
 from miniverl.engine.core.recipe import LoraSpec, parse_recipe
 
 BASE_ID = "test/tiny-base"
@@ -52,7 +53,7 @@ def adapter_file(tmp_path_factory, base_dir) -> Path:
 
 
 def shared_recipe_dict(base: Path, adapter: Path, **adapter_overrides) -> dict:
-    spec = {"path": str(adapter.parent), "base_id": BASE_ID, "sha256": file_sha256(adapter), **adapter_overrides}
+    spec = {"path": str(adapter.parent), "base_id": BASE_ID, "sha256": sha256_file(adapter), **adapter_overrides}
     return recipe_dict(**{**SMALL, "models.runtime": "shared_backbone", "train.cycles": 1,
                           "models.student.id": BASE_ID, "models.student.path": str(base),
                           "models.teacher.id": BASE_ID, "models.teacher.path": str(base),
@@ -119,6 +120,7 @@ def test_switching_back_leaves_the_student_alone_and_only_it_trains(base_dir, ad
     assert all(p.grad is not None for n, p in student.named_parameters() if n in trainable and "lora_A" in n)
 
 
+@pytest.mark.slow  # a whole pipeline through the CLI
 def test_pipeline_runs_on_a_shared_backbone(tmp_path, base_dir, adapter_file):
     """Preflight records the adapter's provenance; teacher_score and gradient use the teacher view."""
     import json
@@ -128,7 +130,7 @@ def test_pipeline_runs_on_a_shared_backbone(tmp_path, base_dir, adapter_file):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     manifest = json.loads((tmp_path / "runs" / "shared" / "manifest.json").read_text())
     provenance = manifest["adapter"]["teacher_adapter"]
-    assert provenance["sha256"] == file_sha256(adapter_file) and provenance["base_id"] == BASE_ID
+    assert provenance["sha256"] == sha256_file(adapter_file) and provenance["base_id"] == BASE_ID
     assert manifest["cycles"][0]["positions"] > 0 and manifest["cycles"][0]["grad_norm"] > 0
 
 

@@ -34,7 +34,7 @@ def setting(tmp_path_factory):
     gen = torch.Generator().manual_seed(7)
     # LoRA's B starts at zero, which would zero every A gradient: make both matter.
     adapter = {n: t + 0.05 * torch.randn(t.shape, generator=gen) if "lora_B" in n else t for n, t in adapter.items()}
-    trajectories = rollout.run(recipe, host, adapter, "test", 0, QUIET)
+    trajectories = rollout.sample(recipe, host, adapter, "test", 0, QUIET)
     return recipe, host, adapter, trajectories
 
 
@@ -43,14 +43,14 @@ def setting(tmp_path_factory):
 def test_gradient_invariant_to_micro_batch_and_chunk(setting, mode, divergence):
     recipe, host, adapter, trajectories = setting
     scored = _replace(recipe, loss={"mode": mode, "divergence": divergence, "topk": 8})
-    _, teacher = teacher_score.run(scored, host, trajectories, QUIET)
+    _, teacher = teacher_score.score(scored, host, trajectories, QUIET)
     reference = None
     for batch in (1, 2, 4):
         for chunk in (1000, 37, 8):
             variant = _replace(scored, train={"trajectory_batch_size": batch},
                                loss={"mode": mode, "divergence": divergence, "topk": 8, "chunk_size": chunk},
                                memory={"min_chunk_size": 1})
-            grads, stats, *_ = gradient.run(variant, host, trajectories, teacher, adapter, QUIET)
+            grads = gradient.compute(variant, host, trajectories, teacher, adapter, QUIET).grads
             flat = _flat(grads)
             assert torch.isfinite(flat).all() and flat.norm() > 0
             if reference is None:
@@ -63,16 +63,17 @@ def test_gradient_invariant_to_micro_batch_and_chunk(setting, mode, divergence):
 def test_injected_oom_halves_the_chunk_and_gives_the_same_gradient(setting, monkeypatch):
     recipe, host, adapter, trajectories = setting
     recipe = _replace(recipe, loss={"chunk_size": 32}, memory={"min_chunk_size": 4})
-    _, teacher = teacher_score.run(recipe, host, trajectories, QUIET)
-    clean, *_ = gradient.run(recipe, host, trajectories, teacher, adapter, QUIET)
+    _, teacher = teacher_score.score(recipe, host, trajectories, QUIET)
+    clean = gradient.compute(recipe, host, trajectories, teacher, adapter, QUIET).grads
     # The first micro-batch must fill a 16-position chunk for the cap below to bite twice.
     first = trajectories.trajectories[: recipe.train.trajectory_batch_size]
     assert sum(len(t.sampling_logprobs) for t in first) > 16
     # A cap that 32 and 16 positions of logits exceed but 8 fit.
     monkeypatch.setenv("MINIVERL_FAULT_OOM_ABOVE", str(10 * host.vocab_limit))
     retried = []
-    grads, _, _, chunk, attempts = gradient.run(recipe, host, trajectories, teacher, adapter, QUIET,
-                                                on_retry=lambda old, new, err: retried.append((old, new)))
+    result = gradient.compute(recipe, host, trajectories, teacher, adapter, QUIET,
+                              on_retry=lambda old, new, err: retried.append((old, new)))
+    grads, chunk, attempts = result.grads, result.chunk_size, result.attempts
     assert chunk == 8 and retried == [(32, 16), (16, 8)]
     assert [(a.chunk_size, a.ok) for a in attempts] == [(32, False), (16, False), (8, True)]
     assert "injected" in attempts[0].error
@@ -85,7 +86,7 @@ def test_oom_below_the_floor_fails_the_stage(setting, monkeypatch):
 
     recipe, host, adapter, trajectories = setting
     recipe = _replace(recipe, loss={"chunk_size": 64}, memory={"min_chunk_size": 32})
-    _, teacher = teacher_score.run(recipe, host, trajectories, QUIET)
+    _, teacher = teacher_score.score(recipe, host, trajectories, QUIET)
     monkeypatch.setenv("MINIVERL_FAULT_OOM_ABOVE", "1")
     with pytest.raises(StageFailed, match="min_chunk_size 32"):
-        gradient.run(recipe, host, trajectories, teacher, adapter, QUIET)
+        gradient.compute(recipe, host, trajectories, teacher, adapter, QUIET)
