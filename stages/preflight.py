@@ -1,9 +1,9 @@
-"""Preflight: resolve every `auto`, record provenance, pair-check the models.
+"""Preflight: resolve every `auto`, record provenance and the models' pairing verdict.
 
-Refuses (with a one-line `UserError`) before any training when the student
-and teacher tokenizers are not byte-identical or their output vocabularies do
-not cover the tokenizer. Also draws the initial LoRA adapter (policy
-checkpoint 0) from the run seed.
+Incompatible models never get here: `models.checks` refuses them (one-line
+`UserError`) when the model host is built, before any weight loads, and the
+dry run calls the same checks. Preflight records what they found, and draws
+the initial LoRA adapter (policy checkpoint 0) from the run seed.
 
 reads the recipe; writes resolved.json, preflight.msgpack and checkpoint 0.
 """
@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 
 from miniverl.engine.core import layout
-from miniverl.engine.core.artifacts import ModelIdentity, Preflight, Resolution, TokenizerVerdict
+from miniverl.engine.core.artifacts import ModelIdentity, Preflight, TokenizerVerdict
 from miniverl.engine.core.atomic_io import sha256_file
 from miniverl.engine.core.layout import Ref, StageKey
 from miniverl.engine.core.device import environment, resolve_all
 from miniverl.engine.models.host import ModelHost
-from miniverl.engine.models.loading import check_pairing, read_config, require_pairing
+from miniverl.engine.models.loading import read_config
 from miniverl.engine.core.recipe import Recipe, recipe_to_builtins
 from miniverl.engine.tasks.calculator import make_tasks
 from miniverl.stages.contract import Output, StageContext, artifact_output, checkpoint_outputs, checkpoint_refs, json_output
@@ -26,7 +26,7 @@ from miniverl.stages.contract import Output, StageContext, artifact_output, chec
 NAME = layout.PREFLIGHT
 
 
-def _identity(role: str, spec, model_dir, model: torch.nn.Module | None) -> ModelIdentity:
+def _identity(role: str, spec, model_dir, model: torch.nn.Module) -> ModelIdentity:
     config = read_config(model_dir)
     return ModelIdentity(
         role=role,
@@ -37,7 +37,7 @@ def _identity(role: str, spec, model_dir, model: torch.nn.Module | None) -> Mode
         architecture=",".join(config.get("architectures", ["unknown"])),
         vocab_size=int(config["vocab_size"]),
         hidden_size=int(config["hidden_size"]),
-        num_parameters=sum(p.numel() for p in model.parameters()) if model is not None else 0,
+        num_parameters=sum(p.numel() for p in model.parameters()),
     )
 
 
@@ -50,17 +50,15 @@ def _teacher_adapter(host: ModelHost) -> dict | None:
             "base_revision": adapter.base_revision}
 
 
-def prepare(recipe: Recipe, host: ModelHost, load_weights: bool = True) -> tuple[Preflight, dict[str, torch.Tensor]]:
+def prepare(recipe: Recipe, host: ModelHost) -> tuple[Preflight, dict[str, torch.Tensor]]:
     resolved = resolve_all(recipe)
-    pairing = check_pairing(host.student_dir, host.teacher_dir, host.vocab_limit)
-    require_pairing(pairing)
-    adapter = host.initial_adapter() if load_weights else {}
-    student = host.student() if load_weights else None
-    teacher = host.teacher() if load_weights else None
+    pairing = host.pairing  # checked (and required) when the host was built, before any weight loaded
+    adapter = host.initial_adapter()
+    student, teacher = host.student(), host.teacher()
     heldout = make_tasks("heldout", recipe.task.heldout_size, recipe.task.heldout_seed, recipe.task.operand_max)
     preflight = Preflight(
         recipe=recipe_to_builtins(recipe),
-        resolved={key: Resolution(r.value, r.reason) for key, r in resolved.items()},
+        resolved=resolved,
         environment=environment(),
         models=[
             _identity("student", recipe.models.student, host.student_dir, student),

@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from miniverl.engine.checks.dry_run_report import (
-    Adapters, DryRunReport, MemoryReport, ModelReport, ResolvedValue, Shape, StageMemory, StudentAdapterReport,
+    Adapters, DryRunReport, MemoryReport, ModelReport, Shape, StageMemory, StudentAdapterReport,
     TeacherAdapterReport, TokenizerReport, render, to_json,
 )
 from miniverl.engine.checks.validate import validate_file
 from miniverl.engine.core.atomic_io import sha256_file
-from miniverl.engine.core.device import Resolved
+from miniverl.engine.core.artifacts import Resolution
 from miniverl.engine.core.recipe import Recipe
 from miniverl.engine.models.checks import ROLES, CheckedModels, Refusals, check_models
 from miniverl.engine.models.memory_estimate import (
@@ -116,7 +116,7 @@ def _teacher_adapter(recipe: Recipe, checked: CheckedModels) -> TeacherAdapterRe
     return found
 
 
-def memory_report(recipe: Recipe, resolved: dict[str, Resolved], student: ModelShape,
+def memory_report(recipe: Recipe, resolved: dict[str, Resolution], student: ModelShape,
                   teacher: ModelShape) -> MemoryReport:
     device, dtype = resolved["models.device"].value, resolved["dtype"].value
     stages = estimate(recipe, student, teacher, device, dtype, resolved["optimizer.name"].value,
@@ -137,7 +137,7 @@ def dry_run(recipe_path: Path) -> DryRunReport:
     checked = check_models(recipe, dirs, refusals)
     report = DryRunReport(
         recipe=str(recipe_path),
-        resolved={key: ResolvedValue(value=r.value, reason=r.reason) for key, r in resolved.items()},
+        resolved=resolved,
         models=[model_report(role, getattr(recipe.models, role), dirs[role], checked) for role in ROLES],
         tokenizer=tokenizer_report(checked),
         problems=refusals.messages,

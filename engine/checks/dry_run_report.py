@@ -5,6 +5,8 @@ from __future__ import annotations
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from miniverl.engine.core.artifacts import Resolution
+
 NOTE = ("an estimate from configs and budgets, not a measurement: allocator fragmentation, kernels and "
         "library versions differ, so only a real run proves the fit")
 
@@ -12,11 +14,6 @@ NOTE = ("an estimate from configs and budgets, not a measurement: allocator frag
 # ---------------------------------------------------------------- the report
 # A field left UNSET is absent from the JSON (a None is `null`), so each
 # section carries exactly the keys it could fill.
-class ResolvedValue(msgspec.Struct, kw_only=True):
-    value: str
-    reason: str
-
-
 class Shape(msgspec.Struct, kw_only=True):
     vocab: int
     hidden: int
@@ -102,7 +99,7 @@ class MemoryReport(msgspec.Struct, kw_only=True):
 
 class DryRunReport(msgspec.Struct, kw_only=True):
     recipe: str
-    resolved: dict[str, ResolvedValue]
+    resolved: dict[str, Resolution]
     models: list[ModelReport] | UnsetType = UNSET
     tokenizer: TokenizerReport | UnsetType = UNSET
     adapters: Adapters | UnsetType = UNSET

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from miniverl.engine.core.artifacts import Resolution
 from miniverl.engine.core.device import (
-    Resolved, check_quantization, resolve_device, resolve_dtype, resolve_memory_strategy, resolve_optimizer,
+    check_quantization, resolve_device, resolve_dtype, resolve_memory_strategy, resolve_optimizer,
 )
 from miniverl.engine.core.errors import RecipeError, UserError
 from miniverl.engine.core.recipe import (
@@ -34,7 +35,7 @@ class Validation:
     problems: list[str] = field(default_factory=list)
     recipe: Recipe | None = None
     data: dict = field(default_factory=dict)
-    resolved: dict[str, Resolved] = field(default_factory=dict)  # recipe key -> value and reason
+    resolved: dict[str, Resolution] = field(default_factory=dict)  # recipe key -> value and reason
     model_dirs: dict[str, Path] = field(default_factory=dict)  # role -> local directory
 
 
@@ -66,9 +67,9 @@ def _attempt(problems: list[str], check, *args):
         return None
 
 
-def resolve_here(recipe: Recipe, problems: list[str]) -> dict[str, Resolved]:
+def resolve_here(recipe: Recipe, problems: list[str]) -> dict[str, Resolution]:
     """Each `auto` key's value on this machine and why, collecting every refusal."""
-    resolved: dict[str, Resolved] = {}
+    resolved: dict[str, Resolution] = {}
     device = _attempt(problems, resolve_device, recipe.models.device)
     if device is None:  # cuda asked for but not usable: the other keys are judged as for CUDA
         return resolved

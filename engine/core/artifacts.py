@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from miniverl.engine.core.atomic_io import sha256_bytes, write_bytes_atomic
+from miniverl.engine.core.atomic_io import sha256_bytes
 from miniverl.engine.core.errors import ArtifactError
 
 SCHEMA_VERSION = 1
@@ -260,13 +260,6 @@ def decode_artifact(data: bytes, kind: type[T], source: str) -> T:
         return msgspec.msgpack.decode(envelope.payload, type=kind)
     except msgspec.DecodeError as exc:
         raise ArtifactError(f"{source}: payload does not match {kind.__name__} ({exc})") from None
-
-
-def write_artifact(path: Path, value: msgspec.Struct) -> str:
-    """Write atomically; return the file's sha256 (what the journal records)."""
-    data = encode_artifact(value)
-    write_bytes_atomic(path, data)
-    return sha256_bytes(data)
 
 
 def read_artifact(path: Path, kind: type[T], expected_sha256: str | None = None) -> T:

@@ -11,19 +11,13 @@ import importlib.metadata
 import platform
 import subprocess
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
+from miniverl.engine.core.artifacts import Resolution  # a resolved `auto`: what it became here and why
 from miniverl.engine.core.errors import RecipeError
 from miniverl.engine.core.recipe import Recipe
-
-
-@dataclass(frozen=True)
-class Resolved:
-    value: str
-    reason: str
 
 
 def cuda_problem() -> str | None:
@@ -43,17 +37,17 @@ def _gpu_description() -> str:
     return f"{torch.cuda.get_device_name(0)}, compute capability {major}.{minor}"
 
 
-def resolve_device(requested: str) -> Resolved:
+def resolve_device(requested: str) -> Resolution:
     """`auto`: CUDA whenever PyTorch can use it, whatever the card is called; CPU otherwise."""
     if requested == "cpu":
-        return Resolved("cpu", "requested by the recipe")
+        return Resolution("cpu", "requested by the recipe")
     problem = cuda_problem()
     if problem is None:
         why = "requested by the recipe" if requested == "cuda" else "auto: PyTorch can use CUDA"
-        return Resolved("cuda", f"{why} ({_gpu_description()})")
+        return Resolution("cuda", f"{why} ({_gpu_description()})")
     if requested == "cuda":
         raise RecipeError(f"recipe key models.device: cuda requested but {problem}; use auto or cpu")
-    return Resolved("cpu", f"auto: no CUDA device usable by PyTorch: {problem}")
+    return Resolution("cpu", f"auto: no CUDA device usable by PyTorch: {problem}")
 
 
 def native_bf16() -> bool:
@@ -62,50 +56,50 @@ def native_bf16() -> bool:
     return major >= 8 and torch.cuda.is_bf16_supported()
 
 
-def resolve_dtype(requested: str, device: str) -> Resolved:
+def resolve_dtype(requested: str, device: str) -> Resolution:
     """`auto`: bfloat16 where the GPU computes it natively, float16 otherwise (e.g. 7.0), float32 on CPU."""
     if device == "cpu":
         if requested in ("auto", "float32"):
-            return Resolved("float32", "CPU computes in float32")
+            return Resolution("float32", "CPU computes in float32")
         raise RecipeError(f"recipe key dtype: {requested} is not supported on CPU; use auto or float32")
     major, minor = torch.cuda.get_device_capability(0)
     if requested != "auto":
         if requested == "bfloat16" and not native_bf16():
             raise RecipeError(f"recipe key dtype: this GPU (compute capability {major}.{minor}) has no bfloat16 "
                               "path; use auto or float16")
-        return Resolved(requested, "requested by the recipe")
+        return Resolution(requested, "requested by the recipe")
     if native_bf16():
-        return Resolved("bfloat16", f"auto: compute capability {major}.{minor} supports bfloat16")
-    return Resolved("float16", f"auto: compute capability {major}.{minor} has no native bfloat16; float16 instead")
+        return Resolution("bfloat16", f"auto: compute capability {major}.{minor} supports bfloat16")
+    return Resolution("float16", f"auto: compute capability {major}.{minor} has no native bfloat16; float16 instead")
 
 
-def resolve_memory_strategy(requested: str, quantized_student: bool, device: str) -> Resolved:
+def resolve_memory_strategy(requested: str, quantized_student: bool, device: str) -> Resolution:
     """`swap` moves only unquantized models; an NF4 student stays resident under every strategy."""
     if device == "cpu":
-        return Resolved("resident", f"{requested}: on CPU every model is resident; there is nothing to swap to")
+        return Resolution("resident", f"{requested}: on CPU every model is resident; there is nothing to swap to")
     if requested == "swap":
         if quantized_student:
-            return Resolved("swap", "requested by the recipe: the unquantized teacher waits in CPU memory while a "
+            return Resolution("swap", "requested by the recipe: the unquantized teacher waits in CPU memory while a "
                                     "stage does not use it; the NF4 student stays resident (bitsandbytes modules "
                                     "are never moved)")
-        return Resolved("swap", "requested by the recipe: a model waits in CPU memory while a stage does not use it")
+        return Resolution("swap", "requested by the recipe: a model waits in CPU memory while a stage does not use it")
     if requested == "resident":
-        return Resolved("resident", "requested by the recipe")
+        return Resolution("resident", "requested by the recipe")
     if quantized_student:
-        return Resolved("resident", "auto: the student is NF4-quantized, and bitsandbytes modules are never moved "
+        return Resolution("resident", "auto: the student is NF4-quantized, and bitsandbytes modules are never moved "
                                     "between devices, so both models stay resident")
-    return Resolved("resident", "auto: resident (no transfers between stages); set memory.strategy: swap to keep "
+    return Resolution("resident", "auto: resident (no transfers between stages); set memory.strategy: swap to keep "
                                 "the idle model in CPU memory")
 
 
-def resolve_optimizer(requested: str, device: str) -> Resolved:
+def resolve_optimizer(requested: str, device: str) -> Resolution:
     if requested == "paged_adamw_8bit" and device == "cpu":
         raise RecipeError("recipe key optimizer.name: paged_adamw_8bit needs a CUDA device; use auto or adamw")
     if requested != "auto":
-        return Resolved(requested, "requested by the recipe")
+        return Resolution(requested, "requested by the recipe")
     if device == "cuda":
-        return Resolved("paged_adamw_8bit", "auto: bitsandbytes paged 8-bit AdamW on CUDA")
-    return Resolved("adamw", "auto: plain AdamW on CPU")
+        return Resolution("paged_adamw_8bit", "auto: bitsandbytes paged 8-bit AdamW on CUDA")
+    return Resolution("adamw", "auto: plain AdamW on CPU")
 
 
 def check_quantization(quantization: str, device: str) -> None:
@@ -115,7 +109,7 @@ def check_quantization(quantization: str, device: str) -> None:
         )
 
 
-def resolve_all(recipe: Recipe) -> dict[str, Resolved]:
+def resolve_all(recipe: Recipe) -> dict[str, Resolution]:
     device = resolve_device(recipe.models.device)
     quantized = recipe.models.student.quantization == "nf4"
     check_quantization(recipe.models.student.quantization, device.value)

@@ -27,6 +27,7 @@ from miniverl.engine.models.checks import Refusals, check_models
 from miniverl.engine.models.loading import (
     TEACHER_ADAPTER,
     AdapterView,
+    Pairing,
     TeacherAdapter,
     adapter_parameters,
     attach_lora,
@@ -57,6 +58,7 @@ class ModelHost:
         dirs = {"student": self.student_dir, "teacher": self.teacher_dir}
         checked = check_models(recipe, dirs, Refusals(collect=False))
         self.teacher_adapter: TeacherAdapter | None = checked.teacher_adapter
+        self.pairing: Pairing = checked.pairing  # tokenizer byte-identity and vocabulary rows, already required
         self.tokenizer = checked.tokenizer  # the student's; the checks loaded it to count its tokens
 
     @property

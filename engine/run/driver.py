@@ -100,7 +100,7 @@ class Driver:
             with peak.track():
                 refs = stage.inputs(key, self.recipe)
                 got = {name: self.read(ref) for name, ref in refs.items()}
-                digests = {name: self._recorded(ref) for name, ref in refs.items() if self._recorded(ref)}
+                digests = {name: d for name, ref in refs.items() if (d := self._recorded(ref)) is not None}
                 kill_point(f"{key.id}:inputs-read")
                 outputs = stage.run(self._context(key, digests), got)
                 kill_point(f"{key.id}:computed")

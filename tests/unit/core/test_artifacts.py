@@ -9,9 +9,16 @@ import torch
 from miniverl.engine.core import artifacts
 from miniverl.engine.core.artifacts import (
     ChunkAttempt, Gradient, TensorFile, decode_artifact, encode_artifact, encode_tensors, read_artifact,
-    read_tensors, write_artifact,
+    read_tensors,
 )
-from miniverl.engine.core.atomic_io import sha256_bytes
+from miniverl.engine.core.atomic_io import sha256_bytes, write_bytes_atomic
+
+
+def write_artifact(path, value) -> str:
+    """What the driver does with a stage's output: encode, write atomically, journal the file's hash."""
+    data = encode_artifact(value)
+    write_bytes_atomic(path, data)
+    return sha256_bytes(data)
 from miniverl.engine.core.errors import ArtifactError
 
 
