@@ -162,15 +162,17 @@ def synthetic_rollout(host, n: int, total_tokens: int):
     import torch
 
     from miniverl.engine.core.artifacts import Rollout, Trajectory
-    from miniverl.engine.tasks.calculator import make_tasks, render_prompt
+    from miniverl.engine.tasks.calculator import CalculatorTask
+    from miniverl.engine.tasks.protocol import render_prompt
 
     gen = torch.Generator().manual_seed(0)
     trajectories = []
-    for task in make_tasks("train", n, seed=12345):
-        prompt = host.tokenizer(render_prompt(host.tokenizer, task), add_special_tokens=False).input_ids
+    calculator = CalculatorTask()
+    for task in calculator.items("train", n, seed=12345):
+        prompt = host.tokenizer(render_prompt(host.tokenizer, calculator, task), add_special_tokens=False).input_ids
         model = torch.randint(0, host.vocab_limit, (total_tokens - len(prompt),), generator=gen).tolist()
         trajectories.append(Trajectory(
-            task_id=task.task_id, question=task.question, expression=task.expression, answer=task.answer,
+            task_id=task.task_id, question=task.question, answer=task.answer,
             token_ids=prompt + model, provenance=[0] * len(prompt) + [1] * len(model),
             sampling_logprobs=[-12.0] * len(model), turns=[""], tool_results=[], tool_ok=[],
             finish_reason="length", tool_called=False, format_valid=False, strict_success=False))

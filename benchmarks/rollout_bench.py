@@ -38,7 +38,7 @@ from miniverl.engine.models.loading import attach_lora, load_causal_lm
 from miniverl.engine.core.recipe import LoraSpec
 from miniverl.engine.rollout.loop import Budget, SamplingPolicy, select_next
 from miniverl.engine.rollout.plain import run_episodes_plain
-from miniverl.engine.tasks.calculator import make_tasks
+from miniverl.engine.tasks.calculator import CalculatorTask
 from miniverl.engine.tiny.models import TOKENIZER_SIZE, load_tokenizer
 
 GREEDY = SamplingPolicy(greedy=True)
@@ -184,13 +184,14 @@ def bench_batch(model, label, batch, args, bandwidth):
 def bench_rollout(model, args):
     """The real rollout path: calculator prompts, tool loop, temperature-1 sampling."""
     tokenizer = load_tokenizer()
-    tasks = make_tasks("train", args.rollout_tasks, 0)
+    calculator = CalculatorTask()
+    tasks = calculator.items("train", args.rollout_tasks, 0)
     budget = Budget(max_turns=3, max_new_tokens_per_turn=64, max_total_tokens=320)
     policy = SamplingPolicy(greedy=False, temperature=1.0, top_p=1.0)
     row = {"weights": "bf16", "batch": 32, "tasks": len(tasks), "budget": [3, 64, 320]}
     for name, fn in (("plain", run_episodes_plain), ("engine", run_episodes_fast)):
         gen = torch.Generator("cuda").manual_seed(0)
-        episodes, t = timed(lambda: fn(model, tokenizer, tasks, policy, budget, gen, TOKENIZER_SIZE, "cuda", 32))
+        episodes, t = timed(lambda: fn(model, tokenizer, calculator, tasks, policy, budget, gen, TOKENIZER_SIZE, "cuda", 32))
         tokens = sum(len(e.sampling_logprobs) for e in episodes)
         row.update({f"{name}_s": t, f"{name}_tok_s": tokens / t, f"{name}_traj_s": len(episodes) / t,
                     f"{name}_generated_tokens": tokens})

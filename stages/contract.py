@@ -30,6 +30,7 @@ from miniverl.engine.core.progress import Reporter
 from miniverl.engine.core.recipe import Recipe
 from miniverl.engine.core.rundir import StageRecord
 from miniverl.engine.models.host import ModelHost
+from miniverl.engine.tasks.base import Task
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class StageContext:
     key: StageKey
     recipe: Recipe
     host: ModelHost
+    task: Task
     reporter: Reporter
     run_id: str
     digests: Mapping[str, str]  # input name -> sha256 of the file read (what the journal recorded)

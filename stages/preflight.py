@@ -13,14 +13,14 @@ from __future__ import annotations
 import torch
 
 from miniverl.engine.core import layout
-from miniverl.engine.core.artifacts import ModelIdentity, Preflight, TokenizerVerdict
+from miniverl.engine.core.artifacts import ModelIdentity, Preflight, TaskIdentity, TokenizerVerdict
 from miniverl.engine.core.atomic_io import sha256_file
 from miniverl.engine.core.layout import Ref, StageKey
 from miniverl.engine.core.device import environment, resolve_all
 from miniverl.engine.models.host import ModelHost
 from miniverl.engine.models.loading import read_config
 from miniverl.engine.core.recipe import Recipe, recipe_to_builtins
-from miniverl.engine.tasks.calculator import make_tasks
+from miniverl.engine.tasks.base import Task
 from miniverl.stages.contract import Output, StageContext, artifact_output, checkpoint_outputs, checkpoint_refs, json_output
 
 NAME = layout.PREFLIGHT
@@ -50,12 +50,12 @@ def _teacher_adapter(host: ModelHost) -> dict | None:
             "base_revision": adapter.base_revision}
 
 
-def prepare(recipe: Recipe, host: ModelHost) -> tuple[Preflight, dict[str, torch.Tensor]]:
+def prepare(recipe: Recipe, host: ModelHost, task: Task) -> tuple[Preflight, dict[str, torch.Tensor]]:
     resolved = resolve_all(recipe)
     pairing = host.pairing  # checked (and required) when the host was built, before any weight loaded
     adapter = host.initial_adapter()
     student, teacher = host.student(), host.teacher()
-    heldout = make_tasks("heldout", recipe.task.heldout_size, recipe.task.heldout_seed, recipe.task.operand_max)
+    heldout = task.items("heldout", recipe.task.heldout_size, recipe.task.heldout_seed)
     preflight = Preflight(
         recipe=recipe_to_builtins(recipe),
         resolved=resolved,
@@ -85,6 +85,8 @@ def prepare(recipe: Recipe, host: ModelHost) -> tuple[Preflight, dict[str, torch
             "runtime": recipe.models.runtime,
             "teacher_adapter": _teacher_adapter(host),
         },
+        task=TaskIdentity(name=task.name, train_items=task.capacity("train"), heldout_items=task.capacity("heldout"),
+                          files={key: sha256_file(path) for key, path in sorted(task.files.items())}),
         heldout_task_ids=[t.task_id for t in heldout],
     )
     return preflight, adapter
@@ -99,7 +101,7 @@ def outputs(key: StageKey, recipe: Recipe) -> list[Ref]:
 
 
 def run(ctx: StageContext, got: dict) -> list[Output]:
-    artifact, adapter = prepare(ctx.recipe, ctx.host)
+    artifact, adapter = prepare(ctx.recipe, ctx.host, ctx.task)
     resolved = {k: {"value": r.value, "reason": r.reason} for k, r in artifact.resolved.items()}
     base_config = sha256_file(ctx.host.student_dir / "config.json")
     return [json_output(layout.resolved_ref(), {"recipe": artifact.recipe, "resolved": resolved}),

@@ -17,22 +17,22 @@ from miniverl.engine.core.recipe import Recipe
 from miniverl.engine.rollout.engines import run_episodes
 from miniverl.engine.rollout.loop import Budget, SamplingPolicy
 from miniverl.engine.core.seeding import derive_seed, generator
-from miniverl.engine.tasks.calculator import make_tasks
+from miniverl.engine.tasks.base import Task
 from miniverl.stages.contract import Output, StageContext, artifact_output, checkpoint_inputs
 
 NAME = layout.ROLLOUT
 
 
-def cycle_tasks(recipe: Recipe, cycle: int):
+def cycle_tasks(recipe: Recipe, task: Task, cycle: int):
     """Training prompts of one cycle: a fresh draw from the train split."""
     seed = derive_seed(recipe.task.train_seed, cycle, "prompts")
-    return make_tasks("train", recipe.train.rollouts_per_cycle, seed, recipe.task.operand_max)
+    return task.items("train", recipe.train.rollouts_per_cycle, seed)
 
 
-def sample(recipe: Recipe, host: ModelHost, adapter: dict[str, torch.Tensor], adapter_sha256: str,
+def sample(recipe: Recipe, host: ModelHost, task: Task, adapter: dict[str, torch.Tensor], adapter_sha256: str,
            cycle: int, reporter: Reporter) -> Rollout:
     model = host.student(adapter)
-    tasks = cycle_tasks(recipe, cycle)
+    tasks = cycle_tasks(recipe, task, cycle)
     r = recipe.rollout
     policy = SamplingPolicy(greedy=False, temperature=r.temperature, top_p=r.top_p)
     budget = Budget(r.max_turns, r.max_new_tokens_per_turn, r.max_total_tokens)
@@ -44,13 +44,13 @@ def sample(recipe: Recipe, host: ModelHost, adapter: dict[str, torch.Tensor], ad
             advance(n - done[0])
             done[0] = n
 
-        episodes = run_episodes(model, host.tokenizer, tasks, policy, budget, gen, host.vocab_limit,
+        episodes = run_episodes(model, host.tokenizer, task, tasks, policy, budget, gen, host.vocab_limit,
                                 host.device, r.generation_batch_size, on_batch, engine=r.engine)
     trajectories = []
     for ep in episodes:
         verdict = ep.verdict()
         trajectories.append(Trajectory(
-            task_id=ep.task.task_id, question=ep.task.question, expression=ep.task.expression,
+            task_id=ep.task.task_id, question=ep.task.question,
             answer=ep.task.answer, token_ids=ep.token_ids, provenance=ep.provenance,
             sampling_logprobs=ep.sampling_logprobs, turns=ep.turns,
             tool_results=[text for text, _ in ep.tool_results], tool_ok=[ok for _, ok in ep.tool_results],
@@ -72,5 +72,5 @@ def outputs(key: StageKey, recipe: Recipe) -> list[Ref]:
 
 
 def run(ctx: StageContext, got: dict) -> list[Output]:
-    rollout = sample(ctx.recipe, ctx.host, got["adapter"], got["checkpoint"].adapter_sha256, ctx.key.cycle, ctx.reporter)
+    rollout = sample(ctx.recipe, ctx.host, ctx.task, got["adapter"], got["checkpoint"].adapter_sha256, ctx.key.cycle, ctx.reporter)
     return [artifact_output(layout.rollout_ref(ctx.key.cycle), rollout)]

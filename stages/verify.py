@@ -16,16 +16,20 @@ from miniverl.engine.core.progress import Reporter
 from miniverl.engine.core.recipe import Recipe
 from miniverl.engine.rollout.engines import run_episodes
 from miniverl.engine.rollout.loop import Budget, SamplingPolicy
-from miniverl.engine.tasks.calculator import make_tasks
+from miniverl.engine.tasks.base import Task
 from miniverl.stages.contract import Output, StageContext, artifact_output, checkpoint_inputs
 
 NAME = layout.VERIFY
 
 
-def evaluate(recipe: Recipe, host: ModelHost, adapter: dict[str, torch.Tensor], adapter_sha256: str,
+def heldout_items(recipe: Recipe, task: Task):
+    return task.items("heldout", recipe.task.heldout_size, recipe.task.heldout_seed)
+
+
+def evaluate(recipe: Recipe, host: ModelHost, task: Task, adapter: dict[str, torch.Tensor], adapter_sha256: str,
              label: str, reporter: Reporter) -> VerifyReport:
     model = host.student(adapter)
-    tasks = make_tasks("heldout", recipe.task.heldout_size, recipe.task.heldout_seed, recipe.task.operand_max)
+    tasks = heldout_items(recipe, task)
     budget = Budget(recipe.rollout.max_turns, recipe.verify.max_new_tokens_per_turn, recipe.rollout.max_total_tokens)
     with reporter.bar(f"verify ({label})", len(tasks), "tasks") as advance:
         done = [0]
@@ -34,7 +38,7 @@ def evaluate(recipe: Recipe, host: ModelHost, adapter: dict[str, torch.Tensor], 
             advance(n - done[0])
             done[0] = n
 
-        episodes = run_episodes(model, host.tokenizer, tasks, SamplingPolicy(greedy=True), budget, None,
+        episodes = run_episodes(model, host.tokenizer, task, tasks, SamplingPolicy(greedy=True), budget, None,
                                 host.vocab_limit, host.device, recipe.verify.batch_size, on_batch,
                                 engine=recipe.rollout.engine)
     items = []
@@ -42,8 +46,7 @@ def evaluate(recipe: Recipe, host: ModelHost, adapter: dict[str, torch.Tensor], 
         v = ep.verdict()
         items.append(VerifyItem(
             task_id=ep.task.task_id, question=ep.task.question, turns=ep.turns, tool_called=v.tool_called,
-            format_valid=v.format_valid, expression_valid=v.expression_valid, result_used=v.result_used,
-            correct=v.correct, strict_success=v.strict_success,
+            format_valid=v.format_valid, strict_success=v.strict_success, checks=dict(v.checks),
         ))
     n = len(items)
     return VerifyReport(
@@ -65,5 +68,5 @@ def outputs(key: StageKey, recipe: Recipe) -> list[Ref]:
 
 def run(ctx: StageContext, got: dict) -> list[Output]:
     label = ctx.key.label
-    report = evaluate(ctx.recipe, ctx.host, got["adapter"], got["checkpoint"].adapter_sha256, label, ctx.reporter)
+    report = evaluate(ctx.recipe, ctx.host, ctx.task, got["adapter"], got["checkpoint"].adapter_sha256, label, ctx.reporter)
     return [artifact_output(layout.verify_ref(label), report)]

@@ -70,6 +70,13 @@ class Resolution(msgspec.Struct, frozen=True):
     reason: str
 
 
+class TaskIdentity(msgspec.Struct, frozen=True):
+    name: str
+    train_items: int  # distinct items each split can serve
+    heldout_items: int
+    files: dict[str, str]  # recipe key -> sha256 of the run's copy
+
+
 class Preflight(msgspec.Struct, frozen=True):
     recipe: dict[str, Any]
     resolved: dict[str, Resolution]
@@ -77,6 +84,7 @@ class Preflight(msgspec.Struct, frozen=True):
     models: list[ModelIdentity]
     tokenizer: TokenizerVerdict
     adapter: dict[str, Any]
+    task: TaskIdentity
     heldout_task_ids: list[str]
 
 
@@ -97,13 +105,12 @@ class Checkpoint(msgspec.Struct, frozen=True):
 class Trajectory(msgspec.Struct, frozen=True):
     task_id: str
     question: str
-    expression: str
-    answer: int
+    answer: str  # the task's gold answer
     token_ids: list[int]
     provenance: list[int]  # PROVENANCE_* per token
     sampling_logprobs: list[float]  # one per model-generated token, in order
     turns: list[str]
-    tool_results: list[str]
+    tool_results: list[str]  # every tool response, in call order
     tool_ok: list[bool]
     finish_reason: str  # stop | length | max_turns
     tool_called: bool
@@ -160,10 +167,8 @@ class VerifyItem(msgspec.Struct, frozen=True):
     turns: list[str]
     tool_called: bool
     format_valid: bool
-    expression_valid: bool
-    result_used: bool
-    correct: bool
     strict_success: bool
+    checks: dict[str, bool]  # every check the task's judge reports, in its order (strict success: all of them)
 
 
 class VerifyReport(msgspec.Struct, frozen=True):

@@ -15,6 +15,8 @@ position in it is arithmetic (`StageKey.order`).
 
 from __future__ import annotations
 
+from pathlib import PurePosixPath
+
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -37,6 +39,13 @@ LOCK_PID_FILE = "lock.pid"
 ERRORS_LOG = "errors.log"
 RESOLVED_FILE = "resolved.json"
 MANIFEST_FILE = "manifest.json"
+TASK_DIR = "task"  # copies of the files the task reads (an items file, a tools module), taken at the start
+
+
+def task_copy(key: str, original: str) -> str:
+    """Where the run keeps its copy of the file recipe key `task.<key>` names: `task/path.jsonl`, `task/tools.py`."""
+    suffix = "".join(c for c in PurePosixPath(original).suffix if c.isalnum() or c == ".")
+    return f"{TASK_DIR}/{key}{suffix}"
 
 
 @dataclass(frozen=True)

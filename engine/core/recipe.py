@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 import yaml
@@ -120,12 +120,22 @@ class MemorySpec(_Strict):
     min_chunk_size: Positive = 16
 
 
+# A built-in task, `jsonl` (the user's own file), or a Python class as `package.module:Class` / `file.py:Class`.
+TaskName = Annotated[str, msgspec.Meta(pattern=r"^(calculator|sql|jsonl|[A-Za-z0-9_./-]+:[A-Za-z_][A-Za-z0-9_]*)$")]
+
+
 class TaskSpec(_Strict):
-    name: Literal["calculator"] = "calculator"
-    operand_max: Annotated[int, msgspec.Meta(ge=10, le=10**6)] = 999
+    """Which skill is taught; the keys below `heldout_seed` belong to one kind of task (tasks.registry checks which)."""
+
+    name: TaskName = "calculator"
     heldout_size: Positive = 64
     train_seed: NonNegative = 0
     heldout_seed: NonNegative = 0
+    operand_max: Annotated[int, msgspec.Meta(ge=10, le=10**6)] | None = None  # calculator (default 999)
+    path: str | None = None  # jsonl: the items file, relative to the recipe
+    judge: str | None = None  # jsonl: exact | numeric | regex:PATTERN (default exact)
+    tools: str | None = None  # jsonl: a Python file of tool functions, relative to the recipe
+    options: dict[str, Any] | None = None  # module:Class: keyword arguments of the class
 
 
 class VerifySpec(_Strict):

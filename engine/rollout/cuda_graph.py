@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from miniverl.engine.models.loading import base_model
 from miniverl.engine.rollout.loop import Budget, Episode, SamplingPolicy, ToolLoop, select_next
 from miniverl.engine.rollout.plain import run_episodes_plain
-from miniverl.engine.tasks.calculator import CalcTask
+from miniverl.engine.tasks.base import Task, TaskItem
 
 log = logging.getLogger(__name__)
 
@@ -354,7 +354,7 @@ def run_slots(decoder: StaticDecoder, tool_loop: ToolLoop, episodes: list[Episod
         position = [p + 1 if owner[s] is not None else 0 for s, p in enumerate(position)]
 
 
-def decode_episodes(model, tool_loop: ToolLoop, tasks: list[CalcTask], policy: SamplingPolicy,
+def decode_episodes(model, tool_loop: ToolLoop, tasks: list[TaskItem], policy: SamplingPolicy,
                     generator: torch.Generator | None, vocab_limit: int, batch_size: int,
                     use_graph: bool, on_batch=None, fuse_weights: bool = True) -> tuple[list[Episode], StaticDecoder]:
     """The slot engine, with or without the CUDA graph (without: the same forward, run eagerly)."""
@@ -369,7 +369,7 @@ def decode_episodes(model, tool_loop: ToolLoop, tasks: list[CalcTask], policy: S
     return run_slots(decoder, tool_loop, episodes, policy, generator, vocab_limit, on_batch), decoder
 
 
-def run_episodes_fast(model, tokenizer, tasks: list[CalcTask], policy: SamplingPolicy, budget: Budget,
+def run_episodes_fast(model, tokenizer, task: Task, tasks: list[TaskItem], policy: SamplingPolicy, budget: Budget,
                       generator: torch.Generator | None, vocab_limit: int, device: str, batch_size: int,
                       on_batch=None) -> list[Episode]:
     """`run_episodes` with the CUDA-graph engine on CUDA, the plain loop elsewhere."""
@@ -377,8 +377,8 @@ def run_episodes_fast(model, tokenizer, tasks: list[CalcTask], policy: SamplingP
     if reason is not None:
         if device == "cuda":
             log.warning("CUDA-graph rollout engine not used: %s; running the plain loop", reason)
-        return run_episodes_plain(model, tokenizer, tasks, policy, budget, generator, vocab_limit, device,
+        return run_episodes_plain(model, tokenizer, task, tasks, policy, budget, generator, vocab_limit, device,
                                   batch_size, on_batch)
-    episodes, _ = decode_episodes(model, ToolLoop(tokenizer, budget), tasks, policy, generator, vocab_limit,
+    episodes, _ = decode_episodes(model, ToolLoop(tokenizer, task, budget), tasks, policy, generator, vocab_limit,
                                   batch_size, use_graph=True, on_batch=on_batch)
     return episodes

@@ -12,17 +12,17 @@ import torch
 from miniverl.engine.rollout.cuda_graph import run_episodes_fast
 from miniverl.engine.rollout.loop import Budget, Episode, SamplingPolicy
 from miniverl.engine.rollout.plain import run_episodes_plain
-from miniverl.engine.tasks.calculator import CalcTask
+from miniverl.engine.tasks.base import Task, TaskItem
 
 
-def run_episodes(model, tokenizer, tasks: list[CalcTask], policy: SamplingPolicy, budget: Budget,
+def run_episodes(model, tokenizer, task: Task, tasks: list[TaskItem], policy: SamplingPolicy, budget: Budget,
                  generator: torch.Generator | None, vocab_limit: int, device: str, batch_size: int,
                  on_batch=None, engine: str = "auto") -> list[Episode]:
     """`engine`: `auto` decodes with the CUDA-graph engine on CUDA; `plain` always runs the forward-pass loop."""
     if device == "cuda" and engine == "auto":  # the engine runs the plain loop for models it does not cover
-        return run_episodes_fast(model, tokenizer, tasks, policy, budget, generator, vocab_limit, device,
+        return run_episodes_fast(model, tokenizer, task, tasks, policy, budget, generator, vocab_limit, device,
                                  batch_size, on_batch)
-    return run_episodes_plain(model, tokenizer, tasks, policy, budget, generator, vocab_limit, device,
+    return run_episodes_plain(model, tokenizer, task, tasks, policy, budget, generator, vocab_limit, device,
                               batch_size, on_batch)
 
 

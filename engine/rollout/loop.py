@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from miniverl.engine.core.artifacts import PROVENANCE_MODEL, PROVENANCE_PROMPT, PROVENANCE_TOOL
-from miniverl.engine.tasks.calculator import TOOL_RESPONSE_TEMPLATE, CalcTask, judge, parse_tool_calls, render_prompt, tool_response
+from miniverl.engine.tasks.base import Task, TaskItem, ToolCall, ToolResult, Transcript, Verdict
+from miniverl.engine.tasks.protocol import END_OF_TURN, parse_tool_calls, render_prompt, tool_responses_text
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,8 @@ class Budget:
 
 @dataclass
 class Episode:
-    task: CalcTask
+    task: TaskItem
+    judge_of: Task
     token_ids: list[int]
     provenance: list[int]
     pending: deque[tuple[int, int]]  # forced (token, provenance) still to feed
@@ -50,12 +52,21 @@ class Episode:
     turn_tokens: list[int] = field(default_factory=list)  # sampled tokens of the open turn
     turn_prefix: list[int] = field(default_factory=list)  # forced tokens that open it (context, not samples)
     turns: list[str] = field(default_factory=list)
-    tool_results: list[tuple[str, bool]] = field(default_factory=list)
+    calls: list[tuple[ToolCall, ...]] = field(default_factory=list)  # per turn, checked against the task's tools
+    results: list[tuple[ToolResult, ...]] = field(default_factory=list)  # per turn, one per call
     finished: bool = False
     finish_reason: str = ""
 
-    def verdict(self):
-        return judge(self.task, self.turns, self.tool_results, self.finish_reason == "stop")
+    @property
+    def tool_results(self) -> list[tuple[str, bool]]:
+        """Every tool response fed back (or due when a budget ended the episode), in order."""
+        return [(r.text, r.ok) for turn in self.results for r in turn]
+
+    def transcript(self) -> Transcript:
+        return Transcript(tuple(self.turns), tuple(self.calls), tuple(self.results), self.finish_reason == "stop")
+
+    def verdict(self) -> Verdict:
+        return self.judge_of.judge(self.task, self.transcript())
 
 
 def select_next(logits_RV: torch.Tensor, policy: SamplingPolicy, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,17 +92,18 @@ def select_next(logits_RV: torch.Tensor, policy: SamplingPolicy, generator: torc
 class ToolLoop:
     """Turn bookkeeping shared by every engine: what happens after a model token."""
 
-    def __init__(self, tokenizer, budget: Budget, first_turn_prefix: str = ""):
+    def __init__(self, tokenizer, task: Task, budget: Budget, first_turn_prefix: str = ""):
         self.tokenizer = tokenizer
+        self.task = task
         self.budget = budget
-        self.end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
         # Tokenized on its own and appended to the prompt's tokens, as segments are everywhere.
         self.prefix_ids = tokenizer(first_turn_prefix, add_special_tokens=False).input_ids if first_turn_prefix else []
 
-    def start(self, task: CalcTask) -> Episode:
-        ids = self.tokenizer(render_prompt(self.tokenizer, task), add_special_tokens=False).input_ids
+    def start(self, item: TaskItem) -> Episode:
+        ids = self.tokenizer(render_prompt(self.tokenizer, self.task, item), add_special_tokens=False).input_ids
         forced = deque((t, PROVENANCE_PROMPT) for t in ids + self.prefix_ids)
-        return Episode(task, [], [], forced, turn_prefix=list(self.prefix_ids))
+        return Episode(item, self.task, [], [], forced, turn_prefix=list(self.prefix_ids))
 
     def feed_forced(self, episode: Episode) -> int:
         token, provenance = episode.pending.popleft()
@@ -107,27 +119,30 @@ class ToolLoop:
         if token == self.end_of_turn:
             self._end_turn(episode)
         elif len(episode.turn_tokens) >= self.budget.max_new_tokens_per_turn or len(episode.token_ids) >= self.budget.max_total_tokens:
-            self._close_turn(episode)
+            self._close_turn(episode, run_tools=False)
             self._finish(episode, "length")
 
-    def _close_turn(self, episode: Episode) -> str:
+    def _close_turn(self, episode: Episode, run_tools: bool) -> str:
+        """Record the turn and its checked calls; run them only when the episode goes on."""
         text = self.tokenizer.decode(episode.turn_prefix + episode.turn_tokens, skip_special_tokens=False)
         episode.turns.append(text)
         episode.turn_tokens = []
         episode.turn_prefix = []
+        calls = tuple(self.task.check_call(c) for c in parse_tool_calls(text))
+        episode.calls.append(calls)
+        episode.results.append(tuple(self.task.run_call(c) for c in calls) if run_tools else ())
         return text
 
     def _end_turn(self, episode: Episode) -> None:
-        calls = parse_tool_calls(self._close_turn(episode))
-        if not calls:
+        self._close_turn(episode, run_tools=True)
+        results = episode.results[-1]
+        if not results:
             self._finish(episode, "stop")
             return
-        result = tool_response(calls[0])
-        episode.tool_results.append(result)
         if len(episode.turns) >= self.budget.max_turns:
             self._finish(episode, "max_turns")
             return
-        response = self.tokenizer(TOOL_RESPONSE_TEMPLATE.format(result=result[0]), add_special_tokens=False).input_ids
+        response = self.tokenizer(tool_responses_text([r.text for r in results]), add_special_tokens=False).input_ids
         if len(episode.token_ids) + len(response) >= self.budget.max_total_tokens:
             self._finish(episode, "length")
             return

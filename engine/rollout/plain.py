@@ -17,11 +17,11 @@ import torch
 
 from miniverl.engine.models.loading import cache_kwarg
 from miniverl.engine.rollout.loop import Budget, Episode, SamplingPolicy, ToolLoop, select_next
-from miniverl.engine.tasks.calculator import CalcTask
+from miniverl.engine.tasks.base import Task, TaskItem
 
 
 @torch.no_grad()
-def run_batch(model, tool_loop: ToolLoop, tasks: list[CalcTask], policy: SamplingPolicy,
+def run_batch(model, tool_loop: ToolLoop, tasks: list[TaskItem], policy: SamplingPolicy,
               generator: torch.Generator | None, vocab_limit: int, device: str) -> list[Episode]:
     """Decode one batch of episodes to completion with a shared KV cache."""
     from transformers import DynamicCache
@@ -56,11 +56,11 @@ def run_batch(model, tool_loop: ToolLoop, tasks: list[CalcTask], policy: Samplin
         out = model(input_ids=step, use_cache=True, logits_to_keep=1, **{kw: cache})
 
 
-def run_episodes_plain(model, tokenizer, tasks: list[CalcTask], policy: SamplingPolicy, budget: Budget,
+def run_episodes_plain(model, tokenizer, task: Task, tasks: list[TaskItem], policy: SamplingPolicy, budget: Budget,
                        generator: torch.Generator | None, vocab_limit: int, device: str, batch_size: int,
                        on_batch=None, first_turn_prefix: str = "") -> list[Episode]:
     """`first_turn_prefix`: forced context that opens every first turn (see `ToolLoop`); empty for rollout and verify."""
-    tool_loop = ToolLoop(tokenizer, budget, first_turn_prefix)
+    tool_loop = ToolLoop(tokenizer, task, budget, first_turn_prefix)
     episodes: list[Episode] = []
     for start in range(0, len(tasks), batch_size):
         episodes.extend(run_batch(model, tool_loop, tasks[start:start + batch_size], policy, generator, vocab_limit, device))

@@ -15,6 +15,10 @@ from miniverl.engine.run.driver import Driver
 from miniverl.engine.core.progress import Reporter
 from miniverl.engine.core.recipe import Recipe, load_recipe, parse_recipe
 from miniverl.engine.core.rundir import Journal, RunDir, check_run_id
+from miniverl.engine.core.artifacts import Preflight, read_artifact
+from miniverl.engine.core.atomic_io import sha256_file
+from miniverl.engine.tasks import registry
+from miniverl.engine.tasks.base import Task
 
 
 def quiet_libraries() -> None:
@@ -35,7 +39,7 @@ def quiet_libraries() -> None:
 
 
 def prepare(recipe: Recipe) -> ModelHost:
-    """Everything a user can get wrong, checked before a run directory exists and before any weight loads.
+    """Everything a user can get wrong about the models, checked before a run directory exists and before any weight loads.
 
     The same checks `miniverl run --dry-run` collects, here raising the first:
     the `auto` resolutions, then the models (ModelHost calls models.checks.check_models).
@@ -44,22 +48,54 @@ def prepare(recipe: Recipe) -> ModelHost:
     return ModelHost(recipe, resolved["device"].value, resolved["dtype"].value, resolved["memory.strategy"].value)
 
 
+def copy_task_files(run: RunDir, recipe: Recipe, files: dict[str, Path]) -> None:
+    """Keep the bytes the task reads inside the run: a resume must not see the user's later edits."""
+    for key, source in files.items():
+        write_bytes_atomic(run.root / layout.task_copy(key, str(source)), source.read_bytes())
+
+
+def run_task(run: RunDir, recipe: Recipe) -> Task:
+    """The task of an existing run, built from the copies it took at the start (checked against preflight's record)."""
+    originals = registry.task_files(recipe.task, run.root, must_exist=False)
+    files = {key: run.root / layout.task_copy(key, str(path)) for key, path in originals.items()}
+    recorded = _recorded_task_files(run)
+    for key, path in files.items():
+        if not path.is_file() or (key in recorded and sha256_file(path) != recorded[key]):
+            raise RunStateError(f"{path} is missing or changed since the run started; the run cannot be resumed")
+    task = registry.build_task(recipe.task, files)
+    registry.check_counts(recipe, task)
+    return task
+
+
+def _recorded_task_files(run: RunDir) -> dict[str, str]:
+    path = run.root / layout.preflight_ref().path
+    if not path.is_file():
+        return {}
+    try:
+        return read_artifact(path, Preflight).task.files
+    except Exception:  # noqa: BLE001 - a broken preflight is recomputed by the driver; nothing to compare yet
+        return {}
+
+
 def start_run(recipe_path: Path, run_id: str | None, runs_dir: Path, reporter: Reporter) -> RunDir:
     recipe, text = load_recipe(recipe_path)
     run_id = check_run_id(run_id or f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     run = RunDir.locate(runs_dir, run_id)
     if run.root.exists() and any(run.root.iterdir()):
         raise RunStateError(f"run {run_id} already exists in {runs_dir}; continue it with `miniverl resume {run_id}`")
+    _, files = registry.load_task(recipe, recipe_path.resolve().parent)  # a bad task file: refused before any directory
     quiet_libraries()
     host = prepare(recipe)
     created = not run.root.exists()
     try:
         with run.locked():
             write_bytes_atomic(run.root / layout.RECIPE_FILE, text.encode())
+            copy_task_files(run, recipe, files)
+            task = run_task(run, recipe)
             run.write_journal(Journal(run_id=run_id))
             run.event("run_created", recipe=str(recipe_path))
             reporter.line(f"run {run_id} in {run.root}")
-            _drive(run, recipe, host, reporter)
+            _drive(run, recipe, host, task, reporter)
     except UserError:
         if created and not (run.root / layout.preflight_ref().path).exists():
             shutil.rmtree(run.root, ignore_errors=True)  # nothing worth keeping yet
@@ -83,17 +119,21 @@ def resume_run(run_id: str, runs_dir: Path, reporter: Reporter) -> RunDir:
     quiet_libraries()
     with run.locked():
         host = prepare(recipe)
+        task = run_task(run, recipe)
         journal = run.read_journal()
         done = sum(1 for record in journal.stages.values() if record.state == "done")
         pending = layout.plan_length(recipe.train.cycles) - done
         reporter.line(f"resuming {run_id}: {pending} stage(s) not done" if pending else f"run {run_id} is complete; checking its files")
         run.event("resume", pending=pending)
-        _drive(run, recipe, host, reporter)
+        _drive(run, recipe, host, task, reporter)
     return run
 
 
-def _drive(run: RunDir, recipe: Recipe, host: ModelHost, reporter: Reporter) -> None:
-    Driver(run, recipe, reporter, host).run_all()
+def _drive(run: RunDir, recipe: Recipe, host: ModelHost, task: Task, reporter: Reporter) -> None:
+    try:
+        Driver(run, recipe, reporter, host, task).run_all()
+    finally:
+        task.close()
 
 
 def rerun_stage(run_id: str, runs_dir: Path, stage: str, cycle: int | None, label: str | None, reporter: Reporter) -> RunDir:
@@ -101,11 +141,14 @@ def rerun_stage(run_id: str, runs_dir: Path, stage: str, cycle: int | None, labe
     key = layout.key_for(stage, cycle, label, recipe.train.cycles)
     quiet_libraries()
     with run.locked():
-        driver = Driver(run, recipe, reporter, prepare(recipe))
+        task = run_task(run, recipe)
+        driver = Driver(run, recipe, reporter, prepare(recipe), task)
         try:
             driver.execute(key)
         except ArtifactError as exc:
             # `stage` reruns one stage only; recomputing the inputs is resume's job.
             raise ArtifactError(f"{exc}: an input of {stage} is missing or corrupt; "
                                 f"`miniverl resume {run_id}` recomputes it") from None
+        finally:
+            task.close()
     return run

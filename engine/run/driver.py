@@ -29,6 +29,7 @@ from miniverl.engine.core.progress import Reporter
 from miniverl.engine.core.recipe import Recipe
 from miniverl.engine.core.rundir import RunDir, StageRecord
 from miniverl.engine.models.host import ModelHost
+from miniverl.engine.tasks.base import Task
 from miniverl.engine.run.observer import Observer
 from miniverl.stages import gradient, manifest, optimizer_step, preflight, rollout, teacher_score, verify
 from miniverl.stages.contract import Output, Stage, StageContext
@@ -38,8 +39,8 @@ STAGES: dict[str, Stage] = {s.NAME: s for s in (preflight, rollout, teacher_scor
 
 
 class Driver:
-    def __init__(self, run: RunDir, recipe: Recipe, reporter: Reporter, host: ModelHost):
-        self.run, self.recipe, self.reporter, self.host = run, recipe, reporter, host
+    def __init__(self, run: RunDir, recipe: Recipe, reporter: Reporter, host: ModelHost, task: Task):
+        self.run, self.recipe, self.reporter, self.host, self.task = run, recipe, reporter, host, task
         self.journal = run.read_journal()
         self.observer = Observer(run, recipe, reporter)
 
@@ -126,7 +127,7 @@ class Driver:
         def on_oom_retry(old: int, new: int, error: str | None) -> None:
             self.observer.oom_retry(key, old, new, error)
 
-        return StageContext(key, self.recipe, self.host, self.reporter, self.run.root.name, digests,
+        return StageContext(key, self.recipe, self.host, self.task, self.reporter, self.run.root.name, digests,
                             self.journal.stages, on_oom_retry)
 
     def _write(self, key: StageKey, stage: Stage, outputs: list[Output]) -> dict[str, str]:

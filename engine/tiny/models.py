@@ -28,11 +28,43 @@ import torch
 from miniverl.engine.models import loading
 from miniverl.engine.tiny.tokenizer import padded_vocab_size
 
+SQL_TOKENIZER_SIZE = 0  # set when the sql family's tokenizer is built (tiny.train --family sql)
+
 TINY_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny"
 TOKENIZER_NAME = "tokenizer"
 MODEL_NAMES = ("protocol_teacher", "raw_teacher", "student_base")
-TOKENIZER_SIZE = 397
-MODEL_VOCAB_SIZE = padded_vocab_size(TOKENIZER_SIZE)  # 448
+
+
+@dataclass(frozen=True)
+class TinyFamily:
+    """One task's tokenizer and three models, shipped together under `root`."""
+
+    task: str  # the task (`tasks.registry` name) the models were trained on
+    root: Path
+    tokenizer_size: int
+    bpe_vocab_size: int
+
+    @property
+    def model_vocab_size(self) -> int:
+        return padded_vocab_size(self.tokenizer_size)
+
+    def asset_dir(self, name: str) -> Path:
+        if name != TOKENIZER_NAME and name not in MODEL_NAMES:
+            raise ValueError(f"unknown tiny asset {name!r}; expected one of {(TOKENIZER_NAME, *MODEL_NAMES)}")
+        return self.root / name
+
+    def builtin_id(self, name: str) -> str:
+        """The recipe id of one model: `miniverl-builtin/student_base`, `miniverl-builtin/sql/student_base`."""
+        return "miniverl-builtin/" + str(self.asset_dir(name).relative_to(TINY_DIR))
+
+
+FAMILIES: dict[str, TinyFamily] = {
+    "calculator": TinyFamily("calculator", TINY_DIR, tokenizer_size=397, bpe_vocab_size=440),
+    "sql": TinyFamily("sql", TINY_DIR / "sql", tokenizer_size=SQL_TOKENIZER_SIZE, bpe_vocab_size=560),
+}
+CALCULATOR = FAMILIES["calculator"]
+TOKENIZER_SIZE = CALCULATOR.tokenizer_size
+MODEL_VOCAB_SIZE = CALCULATOR.model_vocab_size  # 448
 PADDED_TOKEN_IDS = tuple(range(TOKENIZER_SIZE, MODEL_VOCAB_SIZE))
 ATTN_IMPLEMENTATION = "sdpa"
 MAX_POSITION_EMBEDDINGS = 512
@@ -71,18 +103,16 @@ SPECS: dict[str, TinySpec] = {
 }
 
 
-def asset_dir(name: str) -> Path:
+def asset_dir(name: str, family: TinyFamily = CALCULATOR) -> Path:
     """Directory of one shipped asset: a model name or ``"tokenizer"``."""
-    if name != TOKENIZER_NAME and name not in MODEL_NAMES:
-        raise ValueError(f"unknown tiny asset {name!r}; expected one of {(TOKENIZER_NAME, *MODEL_NAMES)}")
-    return TINY_DIR / name
+    return family.asset_dir(name)
 
 
-def load_tokenizer(path: Path | str | None = None) -> Any:
-    """The shipped tiny tokenizer (or the one at `path`), loaded as every model's is, checked for its size."""
-    tokenizer = loading.load_tokenizer(Path(path) if path is not None else asset_dir(TOKENIZER_NAME))
-    if len(tokenizer) != TOKENIZER_SIZE:
-        raise ValueError(f"tiny tokenizer has {len(tokenizer)} tokens, expected {TOKENIZER_SIZE}")
+def load_tokenizer(path: Path | str | None = None, family: TinyFamily = CALCULATOR) -> Any:
+    """The family's shipped tiny tokenizer (or the one at `path`), loaded as every model's is, checked for its size."""
+    tokenizer = loading.load_tokenizer(Path(path) if path is not None else family.asset_dir(TOKENIZER_NAME))
+    if len(tokenizer) != family.tokenizer_size:
+        raise ValueError(f"tiny tokenizer has {len(tokenizer)} tokens, expected {family.tokenizer_size}")
     return tokenizer
 
 
@@ -91,7 +121,7 @@ def build_config(spec: TinySpec, tokenizer: Any) -> Any:
 
     pad_id = tokenizer.pad_token_id  # <|endoftext|>
     config = Qwen3Config(
-        vocab_size=MODEL_VOCAB_SIZE,
+        vocab_size=padded_vocab_size(len(tokenizer)),
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         tie_word_embeddings=True,
         # Qwen3 uses <|endoftext|> as bos and pad; the tiny tokenizer has no bos token.
@@ -114,16 +144,16 @@ def build_model(spec: TinySpec, tokenizer: Any, seed: int) -> Any:
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(build_config(spec, tokenizer)).float()
     with torch.no_grad():
-        model.get_input_embeddings().weight[TOKENIZER_SIZE:].zero_()
+        model.get_input_embeddings().weight[len(tokenizer):].zero_()
     if model.get_output_embeddings().weight.data_ptr() != model.get_input_embeddings().weight.data_ptr():
         raise AssertionError("tiny models must tie their word embeddings")
     return model
 
 
-def load_model(name: str, path: Path | str | None = None) -> Any:
+def load_model(name: str, path: Path | str | None = None, family: TinyFamily = CALCULATOR) -> Any:
     from transformers import Qwen3ForCausalLM
 
-    model = Qwen3ForCausalLM.from_pretrained(str(path or asset_dir(name)), attn_implementation=ATTN_IMPLEMENTATION)
+    model = Qwen3ForCausalLM.from_pretrained(str(path or family.asset_dir(name)), attn_implementation=ATTN_IMPLEMENTATION)
     return model.float().eval()
 
 
@@ -136,6 +166,6 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def masked_logits(logits: torch.Tensor) -> torch.Tensor:
+def masked_logits(logits: torch.Tensor, tokenizer_size: int = TOKENIZER_SIZE) -> torch.Tensor:
     """Padded vocabulary rows can never be predicted."""
-    return logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= TOKENIZER_SIZE, float("-inf"))
+    return logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= tokenizer_size, float("-inf"))

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from miniverl.engine.tasks.base import Task, TaskItem
+from miniverl.engine.tasks.protocol import END_OF_TURN, assistant_turn_text, tool_responses_text
+
 # Qwen2/3's pre-tokenizer pattern: digits stand alone, words keep one leading
 # non-letter, whitespace runs are grouped.
 QWEN_SPLIT_PATTERN = (
@@ -19,7 +22,6 @@ QWEN_SPLIT_PATTERN = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
-BPE_VOCAB_SIZE = 440
 MODEL_VOCAB_MULTIPLE = 64  # the model's embedding is padded past the tokenizer, as Qwen3's is
 
 CHAT_TEMPLATE = (
@@ -50,22 +52,33 @@ CHAT_TEMPLATE = (
 )
 
 
-def _corpus() -> list[str]:
+def corpus(task: Task, error_example: str, count: int = 3000) -> list[str]:
     """Rendered traces (protocol and direct answers) the BPE merges are learned on."""
-    from miniverl.engine.tasks.calculator import final_answer_text, make_tasks, tool_call_text, TOOL_RESPONSE_TEMPLATE
-
-    header = "<|im_start|>system\n# Tools\n<tools>\ncalculator\n</tools><|im_end|>\n"
+    header = "<|im_start|>system\n# Tools\n<tools>\n" + "\n".join(t.name for t in task.tools) + "\n</tools><|im_end|>\n"
     lines = []
-    for task in make_tasks("train", 3000, seed=0):
-        prompt = f"{header}<|im_start|>user\n{task.question}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-        lines.append(prompt + tool_call_text(task.expression) + "<|im_end|>")
-        lines.append(TOOL_RESPONSE_TEMPLATE.format(result=task.answer) + final_answer_text(str(task.answer)))
-        lines.append(final_answer_text(str(task.answer)) + " error: invalid expression")
+    for item in training_items(task, count, seed=0):
+        prompt = f"{header}<|im_start|>user\n{item.question}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        results = [task.run_call(call).text for call in item.reference_calls]
+        lines.append(prompt + assistant_turn_text("", item.reference_calls) + END_OF_TURN)
+        lines.append(tool_responses_text(results) + task.final_answer_text(item.answer))
+        lines.append(task.final_answer_text(item.answer) + " " + error_example)
     return lines
 
 
-def build_tokenizer(out_dir: Path) -> None:
-    """Train the BPE deterministically and save it as a transformers tokenizer."""
+def training_items(task: Task, count: int, seed: int) -> list[TaskItem]:
+    """`count` train items: distinct while the split has enough, then the split again, reshuffled."""
+    available = task.capacity("train")
+    items: list[TaskItem] = []
+    draw = 0
+    while len(items) < count:
+        take = min(available, count - len(items))
+        items += task.items("train", take, seed if draw == 0 else seed * 1000 + draw)
+        draw += 1
+    return items
+
+
+def build_tokenizer(out_dir: Path, task: Task, error_example: str, vocab_size: int) -> None:
+    """Train the BPE deterministically on the task's traces and save it as a transformers tokenizer."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -78,12 +91,12 @@ def build_tokenizer(out_dir: Path) -> None:
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(corpus(task, error_example), trainer=trainer)
     tokenizer.add_tokens(ADDED_TOKENS)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,

@@ -37,8 +37,8 @@ with ``<|endoftext|>``, logits of the padded vocabulary rows (ids >= 397)
 masked to -inf so they get no probability and no gradient. Seeds are fixed
 everywhere (model init, batch order, task lists) and deterministic algorithms
 are on; results are reproducible on the same machine and thread count.
-Training tasks come from ``make_tasks("train", ...)`` only; evaluation uses
-``make_tasks("heldout", ...)``, which no training expression can be in.
+Training tasks come from ``Task.items("train", ...)`` only; evaluation uses
+``Task.items("heldout", ...)``, which no training item can be in.
 
 Each model is judged after training by `tiny.evaluate`, in the episode loop and
 `ToolLoop` that rollout and verify run.
@@ -58,29 +58,22 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from miniverl.engine.tasks.calculator import (
-    END_OF_TURN,
-    TOOL_CALL_OPEN,
-    TOOL_RESPONSE_TEMPLATE,
-    CalcTask,
-    final_answer_text,
-    make_tasks,
-    render_prompt,
-    tool_call_text,
-)
+from miniverl.engine.tasks.base import Task, TaskItem
+from miniverl.engine.tasks.protocol import END_OF_TURN, TOOL_CALL_OPEN, assistant_turn_text, render_prompt, tool_responses_text
 from miniverl.engine.tiny.evaluate import evaluate_greedy, evaluate_sampled, first_token_tool_prob
 from miniverl.engine.tiny.models import (
+    FAMILIES,
     MODEL_NAMES,
-    MODEL_VOCAB_SIZE,
     SPECS,
     TOKENIZER_NAME,
-    asset_dir,
+    TinyFamily,
     build_model,
     encode,
     load_tokenizer,
     masked_logits,
     parameter_count,
 )
+from miniverl.engine.tiny.tokenizer import build_tokenizer, training_items
 
 NUM_THREADS = 2
 TRAIN_TASK_SEED = 1234
@@ -100,44 +93,76 @@ class Phase:
     task_seed: int = TRAIN_TASK_SEED
 
 
-# One recipe per shipped model. Phase task seeds differ so the student's
-# phases see different training expressions.
-RECIPES: dict[str, dict[str, Any]] = {
-    "protocol_teacher": {"seed": 11, "phases": [Phase("protocol", steps=500, lr=2e-3)]},
-    "raw_teacher": {"seed": 12, "phases": [Phase("direct", steps=300, lr=2e-3)]},
-    "student_base": {
-        "seed": 13,
-        "phases": [
-            Phase("protocol", steps=600, lr=2e-3, task_seed=TRAIN_TASK_SEED + 1),
-            Phase("ignore_tools", steps=150, lr=5e-4, warmup=10, task_seed=TRAIN_TASK_SEED + 2),
-        ],
+# One recipe per shipped model of each family. Phase task seeds differ so the
+# student's phases see different training items.
+RECIPES: dict[str, dict[str, dict[str, Any]]] = {
+    "calculator": {
+        "protocol_teacher": {"seed": 11, "phases": [Phase("protocol", steps=500, lr=2e-3)]},
+        "raw_teacher": {"seed": 12, "phases": [Phase("direct", steps=300, lr=2e-3)]},
+        "student_base": {
+            "seed": 13,
+            "phases": [
+                Phase("protocol", steps=600, lr=2e-3, task_seed=TRAIN_TASK_SEED + 1),
+                Phase("ignore_tools", steps=150, lr=5e-4, warmup=10, task_seed=TRAIN_TASK_SEED + 2),
+            ],
+        },
+    },
+    "sql": {
+        "protocol_teacher": {"seed": 21, "phases": [Phase("protocol", steps=500, lr=2e-3)]},
+        "raw_teacher": {"seed": 22, "phases": [Phase("direct", steps=300, lr=2e-3)]},
+        "student_base": {
+            "seed": 23,
+            "phases": [
+                Phase("protocol", steps=600, lr=2e-3, task_seed=TRAIN_TASK_SEED + 1),
+                Phase("ignore_tools", steps=150, lr=5e-4, warmup=10, task_seed=TRAIN_TASK_SEED + 2),
+            ],
+        },
     },
 }
+# A tool error the tokenizer's corpus shows once per trace, so error texts stay short.
+ERROR_EXAMPLES = {"calculator": "error: invalid expression", "sql": "error: no such column"}
+
+
+def build_family_task(family: TinyFamily) -> Task:
+    from miniverl.engine.tasks.registry import BUILTINS, build_task
+    from miniverl.engine.core.recipe import TaskSpec
+
+    assert family.task in BUILTINS
+    return build_task(TaskSpec(name=family.task), {})
+
+
+def loading_tokenizer(path: Path) -> Any:
+    from miniverl.engine.models import loading
+
+    return loading.load_tokenizer(path)
 
 
 # ---------------------------------------------------------------- encoding
 
 
-def encode_trace(tokenizer: Any, task: CalcTask, trace: str) -> tuple[list[int], list[int]]:
+def encode_trace(tokenizer: Any, task: Task, item: TaskItem, trace: str) -> tuple[list[int], list[int]]:
     """Token ids of one trace and a 0/1 mask of the model-generated tokens.
 
     Segments are tokenized one by one and concatenated, exactly as the
-    multi-turn loop builds its context.
+    multi-turn loop builds its context; the tool responses are what the
+    task's tools return for the oracle's calls.
     """
-    answer = final_answer_text(str(task.answer)) + END_OF_TURN
+    answer = task.final_answer_text(item.answer) + END_OF_TURN
+    prompt = render_prompt(tokenizer, task, item)
     if trace == "protocol":
+        results = [task.run_call(task.check_call(call)).text for call in item.reference_calls]
         segments = [
-            (render_prompt(tokenizer, task), 0),
-            (tool_call_text(task.expression) + END_OF_TURN, 1),
-            (TOOL_RESPONSE_TEMPLATE.format(result=task.answer), 0),
+            (prompt, 0),
+            (assistant_turn_text("", item.reference_calls) + END_OF_TURN, 1),
+            (tool_responses_text(results), 0),
             (answer, 1),
         ]
     elif trace == "direct":
-        segments = [(render_prompt(tokenizer, task), 0), (answer, 1)]
+        segments = [(prompt, 0), (answer, 1)]
     elif trace == "protocol_continuation":
         # The protocol after its first token: the decision to call the tool is
         # not trained, everything that follows it is.
-        ids, mask = encode_trace(tokenizer, task, "protocol")
+        ids, mask = encode_trace(tokenizer, task, item, "protocol")
         first = mask.index(1)
         return ids, mask[:first] + [0] + mask[first + 1 :]
     else:
@@ -162,9 +187,9 @@ def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[t
     return ids[:, :-1], ids[:, 1:], mask[:, 1:]
 
 
-def lm_loss(model: Any, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def lm_loss(model: Any, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, tokenizer_size: int) -> torch.Tensor:
     # Right padding under a causal mask never affects real tokens: no attention mask needed.
-    logits = masked_logits(model(input_ids=inputs).logits)
+    logits = masked_logits(model(input_ids=inputs).logits, tokenizer_size)
     return F.cross_entropy(logits[mask], targets[mask])
 
 
@@ -190,9 +215,9 @@ def trace_kind(phase_trace: str, index: int) -> str:
     return "direct" if index % 2 == 0 else "protocol_continuation"
 
 
-def train_phase(model: Any, tokenizer: Any, phase: Phase, seed: int, log_every: int = 50) -> list[float]:
-    tasks = make_tasks("train", phase.steps * phase.batch_size, seed=phase.task_seed)
-    examples = [encode_trace(tokenizer, task, trace_kind(phase.trace, i)) for i, task in enumerate(tasks)]
+def train_phase(model: Any, tokenizer: Any, task: Task, phase: Phase, seed: int, log_every: int = 50) -> list[float]:
+    items = training_items(task, phase.steps * phase.batch_size, seed=phase.task_seed)
+    examples = [encode_trace(tokenizer, task, item, trace_kind(phase.trace, i)) for i, item in enumerate(items)]
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed))
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -210,7 +235,7 @@ def train_phase(model: Any, tokenizer: Any, phase: Phase, seed: int, log_every: 
         inputs, targets, mask = collate(batch, tokenizer.pad_token_id)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, phase)
-        loss = lm_loss(model, inputs, targets, mask)
+        loss = lm_loss(model, inputs, targets, mask, len(tokenizer))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -230,13 +255,13 @@ def train_phase(model: Any, tokenizer: Any, phase: Phase, seed: int, log_every: 
 # ---------------------------------------------------------------- building
 
 
-def train_model(name: str, tokenizer: Any) -> Any:
-    recipe = RECIPES[name]
+def train_model(name: str, tokenizer: Any, task: Task, family: TinyFamily) -> Any:
+    recipe = RECIPES[family.task][name]
     model = build_model(SPECS[name], tokenizer, seed=recipe["seed"])
     print(f"{name}: {parameter_count(model):,} parameters", flush=True)
     for index, phase in enumerate(recipe["phases"]):
         torch.manual_seed(recipe["seed"] * 100 + index)
-        train_phase(model, tokenizer, phase, seed=recipe["seed"] * 100 + index)
+        train_phase(model, tokenizer, task, phase, seed=recipe["seed"] * 100 + index)
     return model
 
 
@@ -250,13 +275,14 @@ def save_model(model: Any, tokenizer_dir: Path, out_dir: Path) -> None:
             shutil.copyfile(path, out_dir / path.name)
 
 
-def report(name: str, model: Any, tokenizer: Any) -> dict[str, Any]:
-    heldout = make_tasks("heldout", EVAL_TASKS, seed=EVAL_TASK_SEED)
-    metrics: dict[str, Any] = {"parameters": parameter_count(model), "greedy": evaluate_greedy(model, tokenizer, heldout)}
+def report(name: str, model: Any, tokenizer: Any, task: Task) -> dict[str, Any]:
+    heldout = task.items("heldout", min(EVAL_TASKS, task.capacity("heldout")), seed=EVAL_TASK_SEED)
+    metrics: dict[str, Any] = {"parameters": parameter_count(model),
+                               "greedy": evaluate_greedy(model, tokenizer, task, heldout)}
     if name == "student_base":
-        metrics["sampled_t1"] = evaluate_sampled(model, tokenizer, heldout, seed=EVAL_TASK_SEED)
-        metrics["forced_tool_call_greedy"] = evaluate_greedy(model, tokenizer, heldout, first_turn_prefix=TOOL_CALL_OPEN)
-        metrics["first_token_tool_prob_mean_max"] = first_token_tool_prob(model, tokenizer, heldout)
+        metrics["sampled_t1"] = evaluate_sampled(model, tokenizer, task, heldout, seed=EVAL_TASK_SEED)
+        metrics["forced_tool_call_greedy"] = evaluate_greedy(model, tokenizer, task, heldout, first_turn_prefix=TOOL_CALL_OPEN)
+        metrics["first_token_tool_prob_mean_max"] = first_token_tool_prob(model, tokenizer, task, heldout)
     return metrics
 
 
@@ -277,24 +303,32 @@ def check(name: str, metrics: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="calculator", help="which task's models")
     parser.add_argument("--only", choices=MODEL_NAMES, action="append", help="train only these models")
-    parser.add_argument("--out-root", type=Path, default=None, help="default: engine/assets/tiny")
+    parser.add_argument("--out-root", type=Path, default=None, help="default: the family's assets directory")
+    parser.add_argument("--build-tokenizer", action="store_true", help="train the family's BPE tokenizer first")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(NUM_THREADS)
     torch.use_deterministic_algorithms(True)
-    tokenizer_dir = asset_dir(TOKENIZER_NAME)
-    tokenizer = load_tokenizer(tokenizer_dir)
-    assert MODEL_VOCAB_SIZE == 448
-    out_root = args.out_root or asset_dir(TOKENIZER_NAME).parent
+    family = FAMILIES[args.family]
+    task = build_family_task(family)
+    out_root = args.out_root or family.root
+    tokenizer_dir = (out_root if args.build_tokenizer else family.root) / TOKENIZER_NAME
+    if args.build_tokenizer:
+        build_tokenizer(tokenizer_dir, task, ERROR_EXAMPLES[family.task], family.bpe_vocab_size)
+        tokenizer = loading_tokenizer(tokenizer_dir)
+        print(f"tokenizer: {len(tokenizer)} tokens in {tokenizer_dir}", flush=True)
+    else:
+        tokenizer = load_tokenizer(tokenizer_dir, family)
     problems: list[str] = []
     all_metrics: dict[str, Any] = {}
     total_start = time.time()
     for name in args.only or MODEL_NAMES:
         started = time.time()
-        model = train_model(name, tokenizer)
+        model = train_model(name, tokenizer, task, family)
         train_seconds = time.time() - started
-        metrics = report(name, model, tokenizer)
+        metrics = report(name, model, tokenizer, task)
         metrics["train_seconds"] = round(train_seconds, 1)
         save_model(model, tokenizer_dir, out_root / name)
         all_metrics[name] = metrics

@@ -19,6 +19,7 @@ from miniverl.engine.core.progress import Reporter
 from miniverl.engine.core.recipe import parse_recipe
 from miniverl.engine.run.commands import prepare
 from miniverl.stages import gradient, rollout, teacher_score
+from miniverl.engine.tasks.registry import build_task
 
 QUIET = Reporter(enabled=False)
 
@@ -46,7 +47,7 @@ def test_checkpointing_gives_the_same_gradient(tiny_dirs):
     adapter = host.initial_adapter()
     gen = torch.Generator().manual_seed(0)
     adapter = {n: t + 0.05 * torch.randn(t.shape, generator=gen) if "lora_B" in n else t for n, t in adapter.items()}
-    trajectories = rollout.sample(recipe, host, adapter, "test", 0, QUIET)
+    trajectories = rollout.sample(recipe, host, build_task(recipe.task, {}), adapter, "test", 0, QUIET)
     _, scores = teacher_score.score(recipe, host, trajectories, QUIET)
     results = {}
     for enabled in (False, True):

@@ -10,7 +10,7 @@ from miniverl.engine.models.sequences import batch_tensors, micro_batches, predi
 
 def _trajectory(ids: list[int], provenance: list[int]) -> Trajectory:
     n = sum(p == M for p in provenance)
-    return Trajectory("t", "q", "1+1", 2, ids, provenance, [0.0] * n, [], [], [], "stop", False, False, False)
+    return Trajectory("t", "q", "2", ids, provenance, [0.0] * n, [], [], [], "stop", False, False, False)
 
 
 TRAJS = [_trajectory([5, 6, 7, 8, 9], [P, P, M, T, M]), _trajectory([1, 2, 3], [P, M, M])]

@@ -19,13 +19,20 @@ from miniverl.engine.core.artifacts import PROVENANCE_MODEL, PROVENANCE_TOOL
 from miniverl.engine.rollout.cuda_graph import decode_episodes, run_episodes_fast
 from miniverl.engine.rollout.loop import Budget, SamplingPolicy, ToolLoop, select_next
 from miniverl.engine.rollout.plain import run_episodes_plain
-from miniverl.engine.tasks.calculator import TOOL_RESPONSE_TEMPLATE, make_tasks
+from miniverl.engine.tasks.base import ToolResult
+from miniverl.engine.tasks.calculator import CalculatorTask
+from miniverl.engine.tasks.protocol import tool_responses_text
 from miniverl.engine.tiny.models import STUDENT_SPEC, TOKENIZER_SIZE, build_model, load_tokenizer
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 GREEDY = SamplingPolicy(greedy=True)
 BUDGET = Budget(max_turns=3, max_new_tokens_per_turn=12, max_total_tokens=110)
+CALC = CalculatorTask()
+
+
+def make_tasks(split, count, seed):
+    return CALC.items(split, count, seed)
 
 
 class ScriptedToolLoop(ToolLoop):
@@ -35,9 +42,9 @@ class ScriptedToolLoop(ToolLoop):
         super().feed_sampled(episode, token, logprob)
         if episode.finished or (token + len(episode.token_ids)) % 7 or len(episode.turns) >= self.budget.max_turns - 1:
             return
-        self._close_turn(episode)
-        episode.tool_results.append((str(token), True))
-        response = self.tokenizer(TOOL_RESPONSE_TEMPLATE.format(result=token), add_special_tokens=False).input_ids
+        self._close_turn(episode, run_tools=False)
+        episode.results[-1] = (ToolResult(str(token), True),)
+        response = self.tokenizer(tool_responses_text([str(token)]), add_special_tokens=False).input_ids
         if len(episode.token_ids) + len(response) >= self.budget.max_total_tokens:
             self._finish(episode, "length")
         else:
@@ -114,7 +121,7 @@ def tiny():
 
 def test_scripted_tool_loop_exercises_the_tool_path(tiny):
     model, tokenizer = tiny
-    episodes = full_recompute_greedy(model, ScriptedToolLoop(tokenizer, BUDGET), make_tasks("train", 6, 1), TOKENIZER_SIZE, "cpu")
+    episodes = full_recompute_greedy(model, ScriptedToolLoop(tokenizer, CALC, BUDGET), make_tasks("train", 6, 1), TOKENIZER_SIZE, "cpu")
     assert any(PROVENANCE_TOOL in e.provenance for e in episodes)
     assert len({len(e.token_ids) for e in episodes}) > 1  # slots free up at different steps
 
@@ -123,8 +130,8 @@ def test_scripted_tool_loop_exercises_the_tool_path(tiny):
 def test_eager_slot_engine_matches_full_recompute(tiny, fuse_weights):
     model, tokenizer = tiny
     tasks = make_tasks("train", 7, 1)
-    want = full_recompute_greedy(model, ScriptedToolLoop(tokenizer, BUDGET), tasks, TOKENIZER_SIZE, "cpu")
-    got, decoder = decode_episodes(model, ScriptedToolLoop(tokenizer, BUDGET), tasks, GREEDY, None, TOKENIZER_SIZE,
+    want = full_recompute_greedy(model, ScriptedToolLoop(tokenizer, CALC, BUDGET), tasks, TOKENIZER_SIZE, "cpu")
+    got, decoder = decode_episodes(model, ScriptedToolLoop(tokenizer, CALC, BUDGET), tasks, GREEDY, None, TOKENIZER_SIZE,
                                    batch_size=3, use_graph=False, fuse_weights=fuse_weights)  # 3 slots, 7 tasks
     assert decoder.mode == "eager" and decoder.fused_weights == fuse_weights
     assert_same_episodes(got, want, atol=1e-4)
@@ -139,9 +146,9 @@ def test_lora_modules_the_fused_path_does_not_cover_are_called_as_modules(tiny, 
 
     model, tokenizer = tiny
     tasks = make_tasks("train", 3, 1)
-    want = full_recompute_greedy(model, ScriptedToolLoop(tokenizer, BUDGET), tasks, TOKENIZER_SIZE, "cpu")
+    want = full_recompute_greedy(model, ScriptedToolLoop(tokenizer, CALC, BUDGET), tasks, TOKENIZER_SIZE, "cpu")
     monkeypatch.setattr(cuda_graph_engine, "_lora_parts", unsupported)
-    got, decoder = decode_episodes(model, ScriptedToolLoop(tokenizer, BUDGET), tasks, GREEDY, None, TOKENIZER_SIZE,
+    got, decoder = decode_episodes(model, ScriptedToolLoop(tokenizer, CALC, BUDGET), tasks, GREEDY, None, TOKENIZER_SIZE,
                                    batch_size=2, use_graph=False)
     assert decoder.layers[0]["qkv"].bases is None
     assert_same_episodes(got, want, atol=1e-4)
@@ -150,9 +157,9 @@ def test_lora_modules_the_fused_path_does_not_cover_are_called_as_modules(tiny, 
 def test_cpu_fallback_is_the_plain_loop_and_matches_full_recompute(tiny):
     model, tokenizer = tiny
     tasks = make_tasks("heldout", 5, 2)
-    got = run_episodes_fast(model, tokenizer, tasks, GREEDY, BUDGET, None, TOKENIZER_SIZE, "cpu", 4)
-    assert_same_episodes(got, run_episodes_plain(model, tokenizer, tasks, GREEDY, BUDGET, None, TOKENIZER_SIZE, "cpu", 4), atol=0)
-    want = full_recompute_greedy(model, ToolLoop(tokenizer, BUDGET), tasks, TOKENIZER_SIZE, "cpu")
+    got = run_episodes_fast(model, tokenizer, CALC, tasks, GREEDY, BUDGET, None, TOKENIZER_SIZE, "cpu", 4)
+    assert_same_episodes(got, run_episodes_plain(model, tokenizer, CALC, tasks, GREEDY, BUDGET, None, TOKENIZER_SIZE, "cpu", 4), atol=0)
+    want = full_recompute_greedy(model, ToolLoop(tokenizer, CALC, BUDGET), tasks, TOKENIZER_SIZE, "cpu")
     assert_same_episodes(got, want, atol=1e-4)
 
 
@@ -160,7 +167,7 @@ def test_eager_slot_engine_sampled_logprobs_match_recomputation(tiny):
     model, tokenizer = tiny
     policy = SamplingPolicy(greedy=False, temperature=0.7, top_p=0.9)
     gen = torch.Generator().manual_seed(5)
-    episodes, _ = decode_episodes(model, ScriptedToolLoop(tokenizer, BUDGET), make_tasks("train", 6, 4), policy, gen,
+    episodes, _ = decode_episodes(model, ScriptedToolLoop(tokenizer, CALC, BUDGET), make_tasks("train", 6, 4), policy, gen,
                                   TOKENIZER_SIZE, batch_size=4, use_graph=False)
     for e in episodes:
         want = recomputed_logprobs(model, e, policy, TOKENIZER_SIZE, "cpu")
@@ -192,8 +199,8 @@ def test_gpu_graph_greedy_matches_full_recompute_float32():
     tokenizer = load_tokenizer()
     model = with_random_lora(qwen3_0_6b(torch.float32))
     tasks = make_tasks("train", 5, 6)
-    want = full_recompute_greedy(model, ScriptedToolLoop(tokenizer, BUDGET), tasks, TOKENIZER_SIZE, "cuda")
-    got, decoder = decode_episodes(model, ScriptedToolLoop(tokenizer, BUDGET), tasks, GREEDY, None, TOKENIZER_SIZE,
+    want = full_recompute_greedy(model, ScriptedToolLoop(tokenizer, CALC, BUDGET), tasks, TOKENIZER_SIZE, "cuda")
+    got, decoder = decode_episodes(model, ScriptedToolLoop(tokenizer, CALC, BUDGET), tasks, GREEDY, None, TOKENIZER_SIZE,
                                    batch_size=2, use_graph=True)
     assert decoder.mode == "graph"
     assert_same_episodes(got, want, atol=2e-3)
@@ -202,7 +209,7 @@ def test_gpu_graph_greedy_matches_full_recompute_float32():
 def _sampled_logprob_errors(model, tokenizer):
     policy = SamplingPolicy(greedy=False, temperature=1.0, top_p=1.0)
     gen = torch.Generator("cuda").manual_seed(9)
-    episodes, decoder = decode_episodes(model, ScriptedToolLoop(tokenizer, BUDGET), make_tasks("train", 8, 8), policy,
+    episodes, decoder = decode_episodes(model, ScriptedToolLoop(tokenizer, CALC, BUDGET), make_tasks("train", 8, 8), policy,
                                         gen, TOKENIZER_SIZE, batch_size=4, use_graph=True)
     errors = torch.cat([(torch.tensor(e.sampling_logprobs, device="cuda") - recomputed_logprobs(model, e, policy, TOKENIZER_SIZE, "cuda")).abs()
                         for e in episodes])

@@ -69,7 +69,7 @@ def setup(tmp_path: Path, monkeypatch):
     host = types.SimpleNamespace(device="cpu")
 
     def new_driver() -> Driver:
-        return Driver(run, recipe, Reporter(enabled=False), host)
+        return Driver(run, recipe, Reporter(enabled=False), host, types.SimpleNamespace(name="stand-in task"))
 
     return standins, run, recipe, new_driver
 

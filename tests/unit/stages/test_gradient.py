@@ -11,6 +11,7 @@ from miniverl.engine.core.progress import Reporter
 from miniverl.engine.core.recipe import load_recipe
 from miniverl.engine.run.commands import prepare
 from miniverl.stages import gradient, rollout, teacher_score
+from miniverl.engine.tasks.registry import build_task
 
 QUIET = Reporter(enabled=False)
 
@@ -34,7 +35,7 @@ def setting(tmp_path_factory):
     gen = torch.Generator().manual_seed(7)
     # LoRA's B starts at zero, which would zero every A gradient: make both matter.
     adapter = {n: t + 0.05 * torch.randn(t.shape, generator=gen) if "lora_B" in n else t for n, t in adapter.items()}
-    trajectories = rollout.sample(recipe, host, adapter, "test", 0, QUIET)
+    trajectories = rollout.sample(recipe, host, build_task(recipe.task, {}), adapter, "test", 0, QUIET)
     return recipe, host, adapter, trajectories
 
 

@@ -1,8 +1,8 @@
 """Tiny-model evaluation runs the episode loop of rollout and verify, not one of its own.
 
 A scripted model replays fixed assistant turns (greedy picks them), so the
-loop's rules can be checked exactly: a turn holding two tool calls gets only
-the first answered, as `ToolLoop` answers it when driven by hand; padded
+loop's rules can be checked exactly: a turn holding two tool calls gets both
+answered in one tool message, as `ToolLoop` answers it when driven by hand; padded
 vocabulary rows are never picked; a forced first-turn prefix is context, not a
 sampled token, and changes nothing else about the episode.
 """
@@ -18,20 +18,26 @@ pytest.importorskip("transformers")
 
 from miniverl.engine.core.artifacts import PROVENANCE_MODEL, PROVENANCE_PROMPT, PROVENANCE_TOOL  # noqa: E402
 from miniverl.engine.rollout.loop import SamplingPolicy, ToolLoop  # noqa: E402
-from miniverl.engine.tasks.calculator import (  # noqa: E402
-    END_OF_TURN,
-    TOOL_CALL_OPEN,
-    TOOL_RESPONSE_TEMPLATE,
-    CalcTask,
-    final_answer_text,
-    judge,
-    tool_call_text,
-)
+from miniverl.engine.tasks.base import TaskItem, ToolCall  # noqa: E402
+from miniverl.engine.tasks.calculator import CalculatorTask  # noqa: E402
+from miniverl.engine.tasks.protocol import END_OF_TURN, TOOL_CALL_OPEN, tool_responses_text  # noqa: E402
+from miniverl.engine.tasks.protocol import tool_call_text as _call_text  # noqa: E402
 from miniverl.engine.tiny.evaluate import BUDGET, evaluate_greedy, run_tiny_episodes, summarize  # noqa: E402
 from miniverl.engine.tiny.models import MODEL_VOCAB_SIZE, TOKENIZER_SIZE, load_tokenizer  # noqa: E402
 
 GREEDY = SamplingPolicy(greedy=True)
-TASK = CalcTask("t0", "What is 2+3?", "2+3", 5)
+CALC = CalculatorTask()
+TASK = TaskItem("t0", "What is 2+3?", "5", (ToolCall("calculator", {"expression": "2+3"}),))
+
+
+def tool_call_text(expression: str) -> str:
+    return _call_text("calculator", {"expression": expression})
+
+
+def final_answer_text(answer: str) -> str:
+    return CALC.final_answer_text(answer)
+
+
 TWO_CALLS = [tool_call_text("2+3") + tool_call_text("4*5") + END_OF_TURN, final_answer_text("5") + END_OF_TURN]
 ONE_CALL = [tool_call_text("2+3") + END_OF_TURN, final_answer_text("5") + END_OF_TURN]
 
@@ -78,7 +84,7 @@ def tokenizer():
 
 def by_hand(tokenizer, turns: list[str]):
     """`ToolLoop` driven directly with the script's tokens: the rules rollout and verify follow."""
-    loop = ToolLoop(tokenizer, BUDGET)
+    loop = ToolLoop(tokenizer, CALC, BUDGET)
     episode = loop.start(TASK)
     scripts = [tokenizer(t, add_special_tokens=False).input_ids for t in turns]
     while not episode.finished:
@@ -89,34 +95,33 @@ def by_hand(tokenizer, turns: list[str]):
     return episode
 
 
-def test_only_the_first_of_two_tool_calls_is_answered(tokenizer):
-    [episode] = run_tiny_episodes(ScriptedModel(tokenizer, TWO_CALLS), tokenizer, [TASK], GREEDY)
+def test_both_tool_calls_of_one_turn_are_answered_in_one_message(tokenizer):
+    [episode] = run_tiny_episodes(ScriptedModel(tokenizer, TWO_CALLS), tokenizer, CALC, [TASK], GREEDY)
     reference = by_hand(tokenizer, TWO_CALLS)
     assert episode.token_ids == reference.token_ids and episode.provenance == reference.provenance
     assert episode.turns == reference.turns == TWO_CALLS
-    assert episode.tool_results == reference.tool_results == [("5", True)]
-    response = tokenizer(TOOL_RESPONSE_TEMPLATE.format(result="5"), add_special_tokens=False).input_ids
+    assert episode.tool_results == reference.tool_results == [("5", True), ("20", True)]
+    response = tokenizer(tool_responses_text(["5", "20"]), add_special_tokens=False).input_ids
     tool_positions = [i for i, p in enumerate(episode.provenance) if p == PROVENANCE_TOOL]
     assert [episode.token_ids[i] for i in tool_positions] == response
     assert episode.finish_reason == "stop"
-    # The answer copies the one result fed back, so the episode succeeds; had
-    # both calls been answered (the last result 20), the result would not be used.
-    assert episode.verdict().strict_success
-    assert not judge(TASK, episode.turns, [("5", True), ("20", True)], True).result_used
+    # The answer copies the first result, not the last one: the calculator's judge wants the last.
+    verdict = episode.verdict()
+    assert verdict["expression_valid"] and not verdict["result_used"] and not verdict.strict_success
 
 
 def test_padded_rows_are_never_picked(tokenizer):
-    [episode] = run_tiny_episodes(ScriptedModel(tokenizer, ONE_CALL), tokenizer, [TASK], GREEDY)
+    [episode] = run_tiny_episodes(ScriptedModel(tokenizer, ONE_CALL), tokenizer, CALC, [TASK], GREEDY)
     assert max(episode.token_ids) < TOKENIZER_SIZE
-    assert evaluate_greedy(ScriptedModel(tokenizer, ONE_CALL), tokenizer, [TASK]) == {
+    assert evaluate_greedy(ScriptedModel(tokenizer, ONE_CALL), tokenizer, CALC, [TASK]) == {
         "n": 1, "strict_success": 1.0, "tool_call_rate": 1.0, "correct": 1.0, "finished": 1.0,
         "first_turn_opens_tool_call": 1.0,
     }
 
 
 def test_a_forced_prefix_is_context_not_a_sampled_token(tokenizer):
-    [sampled] = run_tiny_episodes(ScriptedModel(tokenizer, ONE_CALL), tokenizer, [TASK], GREEDY)
-    [forced] = run_tiny_episodes(ScriptedModel(tokenizer, ONE_CALL), tokenizer, [TASK], GREEDY, first_turn_prefix=TOOL_CALL_OPEN)
+    [sampled] = run_tiny_episodes(ScriptedModel(tokenizer, ONE_CALL), tokenizer, CALC, [TASK], GREEDY)
+    [forced] = run_tiny_episodes(ScriptedModel(tokenizer, ONE_CALL), tokenizer, CALC, [TASK], GREEDY, first_turn_prefix=TOOL_CALL_OPEN)
     # The same tokens and turns (the judge sees the whole call) ...
     assert forced.token_ids == sampled.token_ids
     assert forced.turns == sampled.turns == ONE_CALL

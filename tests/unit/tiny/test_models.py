@@ -7,7 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from miniverl.engine.tasks.calculator import TOOL_CALL_OPEN, make_tasks  # noqa: E402
+from miniverl.engine.tasks.calculator import CalculatorTask  # noqa: E402
+from miniverl.engine.tasks.protocol import TOOL_CALL_OPEN  # noqa: E402
 from miniverl.engine.tiny.models import (  # noqa: E402
     MODEL_NAMES,
     MODEL_VOCAB_SIZE,
@@ -17,6 +18,8 @@ from miniverl.engine.tiny.models import (  # noqa: E402
     load_tokenizer,
 )
 from miniverl.engine.tiny.evaluate import evaluate_greedy  # noqa: E402
+
+CALC = CalculatorTask()
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -34,7 +37,7 @@ def models():
 
 @pytest.fixture(scope="module")
 def heldout():
-    return make_tasks("heldout", 20, seed=7)
+    return CALC.items("heldout", 20, seed=7)
 
 
 def test_vocab_sizes_are_what_the_shipped_files_hold(tokenizer, models):
@@ -86,18 +89,18 @@ def test_teachers_share_a_config(models):
 
 
 def test_protocol_teacher_uses_the_tool(models, tokenizer, heldout):
-    metrics = evaluate_greedy(models["protocol_teacher"], tokenizer, heldout)
+    metrics = evaluate_greedy(models["protocol_teacher"], tokenizer, CALC, heldout)
     assert metrics["strict_success"] >= 0.9, metrics
 
 
 @pytest.mark.parametrize("name", ["raw_teacher", "student_base"])
 def test_direct_answerers_never_call_the_tool(name, models, tokenizer, heldout):
-    metrics = evaluate_greedy(models[name], tokenizer, heldout)
+    metrics = evaluate_greedy(models[name], tokenizer, CALC, heldout)
     assert metrics["tool_call_rate"] == 0.0, metrics
     assert metrics["finished"] == 1.0, metrics
 
 
 def test_student_completes_a_tool_call_it_was_made_to_open(models, tokenizer, heldout):
     """The decision to call the tool is what the base student lacks, not the skill (see `tiny.train`)."""
-    metrics = evaluate_greedy(models["student_base"], tokenizer, heldout, first_turn_prefix=TOOL_CALL_OPEN)
+    metrics = evaluate_greedy(models["student_base"], tokenizer, CALC, heldout, first_turn_prefix=TOOL_CALL_OPEN)
     assert metrics["strict_success"] >= 0.9, metrics
