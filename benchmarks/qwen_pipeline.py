@@ -3,8 +3,8 @@
     python3 benchmarks/qwen_pipeline.py --out benchmarks/results/qwen_pipeline_h200.json
 
 No hub: the models are built locally with random weights from the published
-Qwen3-0.6B and Qwen3-1.7B configurations and saved with one tokenizer of
-Qwen3's shape (`qwen_tokenizer.py`; both model directories hold byte-identical
+Qwen3-0.6B and Qwen3-1.7B configurations and saved with Qwen3's real tokenizer
+files (`tests/fixtures/qwen3/`; both model directories hold byte-identical
 tokenizer files). Then, through the real CLI:
 
 1. `recipes/qwen_consumer_gpu_calc.yaml` (NF4 0.6B student + LoRA, bf16 1.7B

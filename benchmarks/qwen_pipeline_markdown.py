@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from qwen_tokenizer import TOKENIZER_SIZE  # noqa: E402
+from qwen_assets import TOKENIZER_SIZE  # noqa: E402
 
 GIB = 2**30
 

@@ -24,6 +24,11 @@ from miniverl.engine.core.recipe import BUILTIN_PREFIX, LoraSpec, TeacherAdapter
 
 ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny"
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
+# What of tokenizer_config.json changes the tokens a run sees: the chat template (a prompt rendered
+# differently is a different context) and the special tokens. Other keys (model_max_length, the
+# tokenizer class name) may differ between two checkpoints of one family without changing a token.
+TEMPLATE_KEYS = ("chat_template", "added_tokens_decoder", "bos_token", "eos_token", "pad_token", "unk_token",
+                 "add_bos_token", "add_eos_token", "additional_special_tokens", "extra_special_tokens")
 
 
 def locate_model(role: str, model_id: str, revision: str | None, path: str | None) -> Path:
@@ -61,7 +66,24 @@ def tokenizer_sha256(model_dir: Path) -> str:
             digest.update(name.encode() + b"\0" + file.read_bytes())
     if not found:
         raise UserError(f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    digest.update(b"template\0" + json.dumps(template_settings(model_dir), sort_keys=True).encode())
     return digest.hexdigest()
+
+
+def template_settings(model_dir: Path) -> dict[str, Any]:
+    """The chat template and special-token settings (tokenizer_config.json, chat_template.jinja)."""
+    settings: dict[str, Any] = {}
+    config = model_dir / "tokenizer_config.json"
+    if config.is_file():
+        try:
+            data = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{config} is not readable JSON: {exc}") from None
+        settings = {key: data[key] for key in TEMPLATE_KEYS if key in data}
+    jinja = model_dir / "chat_template.jinja"  # transformers >= 4.43 saves the template beside the config
+    if jinja.is_file():
+        settings["chat_template"] = jinja.read_text(encoding="utf-8")
+    return settings
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -94,7 +116,8 @@ def check_pairing(student_dir: Path, teacher_dir: Path, tokenizer_size: int) -> 
     s_rows = int(read_config(student_dir)["vocab_size"])
     t_rows = int(read_config(teacher_dir)["vocab_size"])
     if s_hash != t_hash:
-        reason = "tokenizer files differ between student and teacher; pick a pair that shares one tokenizer"
+        reason = ("tokenizers differ between student and teacher (vocabulary files, chat template or special "
+                  "tokens); pick a pair that shares one tokenizer")
     elif min(s_rows, t_rows) < tokenizer_size:
         reason = (
             f"an output vocabulary ({min(s_rows, t_rows)} rows) is smaller than the tokenizer ({tokenizer_size} tokens)"

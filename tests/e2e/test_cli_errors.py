@@ -74,7 +74,7 @@ def test_incompatible_tokenizer_is_refused_in_preflight(tmp_path):
     (teacher / "tokenizer.json").write_text(json.dumps(spec))
     recipe = write_recipe(tmp_path, recipe_dict(**{**SMALL, "models.teacher.path": str(teacher)}))
     result = miniverl("run", str(recipe), "--runs-dir", str(tmp_path / "runs"))
-    _assert_user_error(result, "tokenizer files differ", tmp_path / "runs")
+    _assert_user_error(result, "tokenizers differ", tmp_path / "runs")
 
 
 def test_vocab_size_mismatch_is_refused(tmp_path):

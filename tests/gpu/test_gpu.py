@@ -2,18 +2,17 @@
 
 Skipped where PyTorch cannot use CUDA. Run them on a GPU machine with
 
-    python -m pytest -q -m gpu tests/test_gpu.py
+    python -m pytest -q -m gpu tests/gpu/test_gpu.py
 
-The models are small Qwen3s built here from configs, with a tokenizer of
-Qwen3's shape (151,669 tokens, 151,936 model rows; benchmarks/qwen_tokenizer.py),
-so a loss chunk's [C, V] logits weigh what they weigh at the real shapes.
+The models are small random-weight Qwen3s (2 layers) with Qwen3's real tokenizer
+and vocabulary (151,669 tokens, 151,936 model rows; tests/fixtures/qwen3/), so a
+loss chunk's [C, V] logits weigh what they weigh at the real shapes.
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -21,7 +20,9 @@ import pytest
 import torch
 import yaml
 
+from qwen3_fixture import make_model_dir
 from support import ROOT
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device PyTorch can use"),
@@ -36,35 +37,11 @@ def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([grads[n].flatten().double() for n in sorted(grads)])
 
 
-def _build_model(out_dir: Path, tokenizer_dir: Path, hidden: int, seed: int) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from qwen_tokenizer import TOKENIZER_SIZE
-
-    config = Qwen3Config(vocab_size=151936, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-                         tie_word_embeddings=True, max_position_embeddings=2048, bos_token_id=151643,
-                         eos_token_id=151645, dtype="bfloat16")
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():
-        model.get_input_embeddings().weight[TOKENIZER_SIZE:].zero_()
-    model.save_pretrained(str(out_dir))
-    for file in tokenizer_dir.iterdir():
-        shutil.copyfile(file, out_dir / file.name)
-    return out_dir
-
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from qwen_tokenizer import build_tokenizer
-
     root = tmp_path_factory.mktemp("gpu_models")
-    build_tokenizer(root / "tokenizer", ROOT / "README.md", merges_vocab=2000)
-    return {"student": _build_model(root / "student", root / "tokenizer", 128, 0),
-            "teacher": _build_model(root / "teacher", root / "tokenizer", 256, 1)}
+    return {"student": make_model_dir(root / "student", tiny=True, hidden_size=128, seed=0, dtype="bfloat16"),
+            "teacher": make_model_dir(root / "teacher", tiny=True, hidden_size=256, seed=1, dtype="bfloat16")}
 
 
 def _recipe(tmp_path: Path, model_dirs: dict[str, Path], name: str = "recipe.yaml", **overrides) -> Path:

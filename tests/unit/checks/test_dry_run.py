@@ -122,7 +122,7 @@ MODEL_FAULTS = {
     "student tokenizer does not load": (broken_student, _garbage("tokenizer.json"), UserError,
                                         "tokenizer in"),
     "teacher without tokenizer files": (broken_teacher, _remove("tokenizer.json"), UserError, "no tokenizer files"),
-    "tokenizers differ": (broken_teacher, _extra_token, IncompatibleModelsError, "tokenizer files differ"),
+    "tokenizers differ": (broken_teacher, _extra_token, IncompatibleModelsError, "tokenizers differ"),
     "vocabulary below the tokenizer": (broken_teacher, edit_config(vocab_size=300), IncompatibleModelsError,
                                        "smaller than the tokenizer"),
 }
