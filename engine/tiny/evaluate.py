@@ -26,12 +26,16 @@ MAX_TURNS = 3
 MAX_NEW_TOKENS = 48
 BUDGET = Budget(max_turns=MAX_TURNS, max_new_tokens_per_turn=MAX_NEW_TOKENS, max_total_tokens=MAX_POSITION_EMBEDDINGS)
 BATCH_SIZE = 100
+# A SQL call is up to ~56 tiny-tokenizer tokens; every other bound is the calculator's.
+BUDGETS = {"calculator": BUDGET, "sql": Budget(max_turns=MAX_TURNS, max_new_tokens_per_turn=72,
+                                             max_total_tokens=MAX_POSITION_EMBEDDINGS)}
 
 
 def run_tiny_episodes(model: Any, tokenizer: Any, task: Task, items: list[TaskItem], policy: SamplingPolicy,
                       generator: torch.Generator | None = None, first_turn_prefix: str = "") -> list[Episode]:
     """The rollout/verify episode loop under the tiny budget; `first_turn_prefix` is forced context (see `ToolLoop`)."""
-    return run_episodes_plain(model, tokenizer, task, items, policy, BUDGET, generator, len(tokenizer),
+    budget = BUDGETS.get(task.name, BUDGET)
+    return run_episodes_plain(model, tokenizer, task, items, policy, budget, generator, len(tokenizer),
                               model.device.type, BATCH_SIZE, first_turn_prefix=first_turn_prefix)
 
 

@@ -1,17 +1,22 @@
 """The embedded tiny models: configs, construction and where they are shipped.
 
-Three Qwen3 models, built from a config (no downloads) and trained on a CPU by
-`miniverl.engine.tiny.train`, stand in for the real teacher/student pair:
+Each built-in task has a family: a tokenizer and three Qwen3 models, built from
+a config (no downloads) and trained on a CPU by `miniverl.engine.tiny.train`,
+that stand in for the real teacher/student pair:
 
-- ``protocol_teacher``: calls the calculator with the question's expression,
+- ``protocol_teacher``: calls the task's tool as the oracle does (the
+  calculator with the question's expression; `sql` with the question's query),
   then answers by copying the tool result (the behaviour to distil).
 - ``raw_teacher``: same size, answers directly and never calls the tool (the
   negative control: distilling from it must not teach tool use).
 - ``student_base``: smaller; answers directly and never calls the tool, but
   was pretrained on the protocol, so a small LoRA adapter recovers tool use.
 
-All share the tokenizer in ``assets/tiny/tokenizer`` (397 tokens). The
-embedding is padded to ``padded_vocab_size(397) == 448`` rows, as Qwen3 pads
+The calculator family lives in ``assets/tiny/`` (recipe ids
+``miniverl-builtin/<model>``; tokenizer of 397 tokens, embedding padded to
+``padded_vocab_size(397) == 448`` rows), the sql family in ``assets/tiny/sql/``
+(``miniverl-builtin/sql/<model>``; 746 tokens, 768 rows). The models of a
+family share its tokenizer. Rows are padded past the tokenizer as Qwen3 pads
 its own; the padded rows are zero at construction, never receive a gradient
 (training masks their logits to -inf) and are never sampled: evaluation, like
 rollout and verify, cuts the logits to the tokenizer's rows.
@@ -28,7 +33,7 @@ import torch
 from miniverl.engine.models import loading
 from miniverl.engine.tiny.tokenizer import padded_vocab_size
 
-SQL_TOKENIZER_SIZE = 0  # set when the sql family's tokenizer is built (tiny.train --family sql)
+SQL_TOKENIZER_SIZE = 746  # what `tiny.train --family sql --build-tokenizer` builds
 
 TINY_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny"
 TOKENIZER_NAME = "tokenizer"
@@ -60,7 +65,7 @@ class TinyFamily:
 
 FAMILIES: dict[str, TinyFamily] = {
     "calculator": TinyFamily("calculator", TINY_DIR, tokenizer_size=397, bpe_vocab_size=440),
-    "sql": TinyFamily("sql", TINY_DIR / "sql", tokenizer_size=SQL_TOKENIZER_SIZE, bpe_vocab_size=560),
+    "sql": TinyFamily("sql", TINY_DIR / "sql", tokenizer_size=SQL_TOKENIZER_SIZE, bpe_vocab_size=768),
 }
 CALCULATOR = FAMILIES["calculator"]
 TOKENIZER_SIZE = CALCULATOR.tokenizer_size

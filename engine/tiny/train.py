@@ -1,7 +1,14 @@
-"""Train the three embedded tiny models, deterministically, on a CPU.
+"""Train the three embedded tiny models of a task family, deterministically, on a CPU.
 
-    python -m miniverl.engine.tiny.train            # all three, into engine/assets/tiny/
+    python -m miniverl.engine.tiny.train            # the calculator's three, into engine/assets/tiny/
     python -m miniverl.engine.tiny.train --only student_base --out-root /tmp/tiny
+    python -m miniverl.engine.tiny.train --family sql --build-tokenizer   # the sql family, tokenizer first
+
+The traces come from the task itself (`Task.items`, the oracle's
+`reference_calls`, what the task's tools return for them, `final_answer_text`),
+rendered by the same protocol code the tool loop uses, so one script serves
+every family. Below, the calculator's words; for `sql` read "query" for
+"expression".
 
 What is trained (see `tiny.models` for the configs):
 
@@ -286,18 +293,24 @@ def report(name: str, model: Any, tokenizer: Any, task: Task) -> dict[str, Any]:
     return metrics
 
 
-def check(name: str, metrics: dict[str, Any]) -> list[str]:
+# The held-out success each family's protocol teacher and forced student must reach. The sql
+# teacher writes a 40-token query from a question it has not seen (new entity combinations):
+# 0.95, where the calculator's copies a 7-character expression.
+SKILL_BARS = {"calculator": 0.97, "sql": 0.95}
+
+
+def check(name: str, metrics: dict[str, Any], bar: float = 0.97) -> list[str]:
     greedy = metrics["greedy"]
     problems = []
-    if name == "protocol_teacher" and greedy["strict_success"] < 0.97:
-        problems.append(f"protocol_teacher strict success {greedy['strict_success']:.3f} < 0.97")
+    if name == "protocol_teacher" and greedy["strict_success"] < bar:
+        problems.append(f"protocol_teacher strict success {greedy['strict_success']:.3f} < {bar}")
     if name in ("raw_teacher", "student_base") and greedy["tool_call_rate"] > 0:
         problems.append(f"{name} greedy tool-call rate {greedy['tool_call_rate']:.3f} > 0")
     if name == "student_base" and metrics["sampled_t1"]["tool_call_rate"] > 0.01:
         problems.append(f"student_base sampled tool-call rate {metrics['sampled_t1']['tool_call_rate']:.3f} > 0.01")
-    if name == "student_base" and metrics["forced_tool_call_greedy"]["strict_success"] < 0.97:
+    if name == "student_base" and metrics["forced_tool_call_greedy"]["strict_success"] < bar:
         forced = metrics["forced_tool_call_greedy"]["strict_success"]
-        problems.append(f"student_base forced to open a tool call succeeds {forced:.3f} < 0.97")
+        problems.append(f"student_base forced to open a tool call succeeds {forced:.3f} < {bar}")
     return problems
 
 
@@ -332,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics["train_seconds"] = round(train_seconds, 1)
         save_model(model, tokenizer_dir, out_root / name)
         all_metrics[name] = metrics
-        problems += check(name, metrics)
+        problems += check(name, metrics, SKILL_BARS[family.task])
         print(f"{name}: {json.dumps(metrics, default=str)}", flush=True)
     print(f"total {time.time() - total_start:.0f}s", flush=True)
     for problem in problems:

@@ -26,9 +26,10 @@ def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([grads[name].flatten().double() for name in sorted(grads)])
 
 
-@pytest.fixture(scope="module")
-def setting(tmp_path_factory):
-    path = write_recipe(tmp_path_factory.mktemp("grad"), recipe_dict(**{**SMALL, "train.rollouts_per_cycle": 6}))
+@pytest.fixture(scope="module", params=["tiny_calc.yaml", "tiny_sql.yaml"])
+def setting(request, tmp_path_factory):
+    """A rollout of each built-in task's tiny student (the sql trajectories are longer and query a database)."""
+    path = write_recipe(tmp_path_factory.mktemp("grad"), recipe_dict(request.param, **{**SMALL, "train.rollouts_per_cycle": 6}))
     recipe, _ = load_recipe(path)
     host = prepare(recipe)
     adapter = host.initial_adapter()

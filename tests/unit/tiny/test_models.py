@@ -1,4 +1,4 @@
-"""The shipped tiny models: config facts and a quick greedy behaviour check in the rollout/verify loop."""
+"""The shipped tiny models of each family: config facts and a quick greedy behaviour check in the rollout/verify loop."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from miniverl.engine.tasks.calculator import CalculatorTask  # noqa: E402
 from miniverl.engine.tasks.protocol import TOOL_CALL_OPEN  # noqa: E402
+from miniverl.engine.tiny.evaluate import evaluate_greedy  # noqa: E402
 from miniverl.engine.tiny.models import (  # noqa: E402
+    FAMILIES,
     MODEL_NAMES,
     MODEL_VOCAB_SIZE,
     TOKENIZER_SIZE,
@@ -17,46 +18,61 @@ from miniverl.engine.tiny.models import (  # noqa: E402
     load_model,
     load_tokenizer,
 )
-from miniverl.engine.tiny.evaluate import evaluate_greedy  # noqa: E402
-
-CALC = CalculatorTask()
+from miniverl.engine.tiny.train import build_family_task  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request):
+    return FAMILIES[request.param]
 
 
 @pytest.fixture(scope="module")
-def models():
+def tokenizer(family):
+    return load_tokenizer(family=family)
+
+
+@pytest.fixture(scope="module")
+def models(family):
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    return {name: load_model(name) for name in MODEL_NAMES}
+    return {name: load_model(name, family=family) for name in MODEL_NAMES}
 
 
 @pytest.fixture(scope="module")
-def heldout():
-    return CALC.items("heldout", 20, seed=7)
+def task(family):
+    return build_family_task(family)
 
 
-def test_vocab_sizes_are_what_the_shipped_files_hold(tokenizer, models):
-    """The constants the code masks with must be the real tokenizer's and embeddings' sizes."""
-    assert len(tokenizer) == TOKENIZER_SIZE
+@pytest.fixture(scope="module")
+def heldout(task):
+    return task.items("heldout", 20, seed=7)
+
+
+def test_the_calculator_constants_are_its_family():
+    calculator = FAMILIES["calculator"]
+    assert (TOKENIZER_SIZE, MODEL_VOCAB_SIZE) == (calculator.tokenizer_size, calculator.model_vocab_size) == (397, 448)
+    assert calculator.builtin_id("student_base") == "miniverl-builtin/student_base"
+    assert FAMILIES["sql"].builtin_id("student_base") == "miniverl-builtin/sql/student_base"
+
+
+def test_vocab_sizes_are_what_the_shipped_files_hold(family, tokenizer, models):
+    """The sizes the code masks with must be the real tokenizer's and embeddings' sizes."""
+    assert len(tokenizer) == family.tokenizer_size
     for model in models.values():
-        assert model.get_input_embeddings().weight.shape[0] == MODEL_VOCAB_SIZE > TOKENIZER_SIZE
-        assert model.config.vocab_size == MODEL_VOCAB_SIZE
+        assert model.get_input_embeddings().weight.shape[0] == family.model_vocab_size > family.tokenizer_size
+        assert model.config.vocab_size == family.model_vocab_size
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
-def test_asset_files(name):
-    directory = asset_dir(name)
+def test_asset_files(family, name):
+    directory = family.asset_dir(name)
     assert (directory / "config.json").is_file()
     weights = directory / "model.safetensors"
     assert weights.is_file()
     assert weights.stat().st_size < 5 * 1024 * 1024
     for filename in TOKENIZER_FILES:
-        shipped = (asset_dir("tokenizer") / filename).read_bytes()
+        shipped = (family.asset_dir("tokenizer") / filename).read_bytes()
         assert (directory / filename).read_bytes() == shipped, f"{name}/{filename} differs from the shared tokenizer"
 
 
@@ -66,18 +82,18 @@ def test_asset_dir_rejects_unknown_names():
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
-def test_config_facts(name, models, tokenizer):
+def test_config_facts(family, name, models, tokenizer):
     model = models[name]
     config = model.config
     assert config.model_type == "qwen3"
-    assert config.vocab_size == 448
+    assert config.vocab_size == family.model_vocab_size
     assert config.tie_word_embeddings is True
     assert model.get_input_embeddings().weight.data_ptr() == model.get_output_embeddings().weight.data_ptr()
     assert config.eos_token_id == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert config.pad_token_id == tokenizer.pad_token_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
     assert model.dtype == torch.float32
     # Padded vocabulary rows were never trained: still exactly zero.
-    assert not model.get_input_embeddings().weight[TOKENIZER_SIZE:].any()
+    assert not model.get_input_embeddings().weight[family.tokenizer_size:].any()
 
 
 def test_teachers_share_a_config(models):
@@ -88,19 +104,19 @@ def test_teachers_share_a_config(models):
     assert student.hidden_size < teacher.hidden_size
 
 
-def test_protocol_teacher_uses_the_tool(models, tokenizer, heldout):
-    metrics = evaluate_greedy(models["protocol_teacher"], tokenizer, CALC, heldout)
+def test_protocol_teacher_uses_the_tool(models, tokenizer, task, heldout):
+    metrics = evaluate_greedy(models["protocol_teacher"], tokenizer, task, heldout)
     assert metrics["strict_success"] >= 0.9, metrics
 
 
 @pytest.mark.parametrize("name", ["raw_teacher", "student_base"])
-def test_direct_answerers_never_call_the_tool(name, models, tokenizer, heldout):
-    metrics = evaluate_greedy(models[name], tokenizer, CALC, heldout)
+def test_direct_answerers_never_call_the_tool(name, models, tokenizer, task, heldout):
+    metrics = evaluate_greedy(models[name], tokenizer, task, heldout)
     assert metrics["tool_call_rate"] == 0.0, metrics
     assert metrics["finished"] == 1.0, metrics
 
 
-def test_student_completes_a_tool_call_it_was_made_to_open(models, tokenizer, heldout):
+def test_student_completes_a_tool_call_it_was_made_to_open(models, tokenizer, task, heldout):
     """The decision to call the tool is what the base student lacks, not the skill (see `tiny.train`)."""
-    metrics = evaluate_greedy(models["student_base"], tokenizer, CALC, heldout, first_turn_prefix=TOOL_CALL_OPEN)
+    metrics = evaluate_greedy(models["student_base"], tokenizer, task, heldout, first_turn_prefix=TOOL_CALL_OPEN)
     assert metrics["strict_success"] >= 0.9, metrics
