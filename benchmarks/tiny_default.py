@@ -1,12 +1,15 @@
 """Time the embedded default and its negative control end to end, as a user runs them.
 
-    python benchmarks/tiny_default.py [--seeds 0 1 2] [--out benchmarks/results/tiny_default_cpu.json]
+    python benchmarks/tiny_default.py [--task calculator|sql|jsonl] [--seeds 0 1 2] [--out FILE]
 
-Runs `miniverl run` on recipes/tiny_calc.yaml (once per seed; seed 0 is the
-shipped recipe, other seeds change only `seed:`) and on
-recipes/tiny_calc_raw_teacher.yaml, one after the other in fresh run
-directories, and records wall time, the held-out strict success before and
-after, tool-call rate, quality gate, the machine and versions.
+Runs `miniverl run` on the task's tiny recipe (recipes/tiny_calc.yaml,
+recipes/tiny_sql.yaml or recipes/tiny_jsonl_example.yaml; once per seed; seed 0
+is the shipped recipe, other seeds change only `seed:`) and on its negative
+control where it has one (recipes/tiny_*_raw_teacher.yaml), one after the other
+in fresh run directories, and records wall time, the held-out strict success
+before and after, tool-call rate, quality gate, the machine and versions.
+Results: benchmarks/results/tiny_default_cpu.json (calculator),
+tiny_sql_cpu.json, tiny_jsonl_cpu.json.
 """
 
 from __future__ import annotations
@@ -24,6 +27,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+TASKS = {  # task -> (recipe, negative control or None, default result file)
+    "calculator": ("recipes/tiny_calc.yaml", "recipes/tiny_calc_raw_teacher.yaml", "tiny_default_cpu.json"),
+    "sql": ("recipes/tiny_sql.yaml", "recipes/tiny_sql_raw_teacher.yaml", "tiny_sql_cpu.json"),
+    "jsonl": ("recipes/tiny_jsonl_example.yaml", None, "tiny_jsonl_cpu.json"),
+}
+
+
 def with_seed(recipe: str, seed: int, directory: Path) -> str:
     """The shipped recipe with only its seed changed (seed 0: the shipped file itself)."""
     if seed == 0:
@@ -32,7 +42,7 @@ def with_seed(recipe: str, seed: int, directory: Path) -> str:
 
     data = yaml.safe_load((ROOT / recipe).read_text())
     data["seed"] = seed
-    path = directory / f"seed{seed}.yaml"
+    path = ROOT / Path(recipe).parent / f".bench-seed{seed}-{Path(recipe).name}"  # beside it: relative task paths hold
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return str(path)
 
@@ -62,21 +72,29 @@ def run_recipe(recipe: str, runs_dir: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tiny_default_cpu.json"))
+    parser.add_argument("--task", choices=sorted(TASKS), default="calculator")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/<the task's result file>")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     args = parser.parse_args()
+    recipe_file, control, result_file = TASKS[args.task]
+    out = args.out or str(ROOT / "benchmarks" / "results" / result_file)
     results = []
-    plan = [("recipes/tiny_calc.yaml", seed) for seed in args.seeds] + [("recipes/tiny_calc_raw_teacher.yaml", 0)]
+    plan = [(recipe_file, seed) for seed in args.seeds] + ([(control, 0)] if control else [])
     for recipe, seed in plan:
         with tempfile.TemporaryDirectory() as tmp:
-            results.append({"seed": seed, **run_recipe(with_seed(recipe, seed, Path(tmp)), Path(tmp))})
+            seeded = with_seed(recipe, seed, Path(tmp))
+            try:
+                results.append({"seed": seed, **run_recipe(seeded, Path(tmp))})
+            finally:
+                if seeded != recipe:
+                    Path(seeded).unlink()
             print(json.dumps({k: v for k, v in results[-1].items() if k not in ("environment", "stage_seconds")}))
     document = {
         "command": "python " + " ".join(["benchmarks/tiny_default.py", *sys.argv[1:]]),
         "machine": {"cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine()},
         "results": results,
     }
-    Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
+    Path(out).write_text(json.dumps(document, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from miniverl.engine.core.recipe import (
     recipe_to_builtins, schema_problems,
 )
 from miniverl.engine.core.schema_check import KeyPath
+from miniverl.engine.tasks import registry
 
 
 @dataclass
@@ -103,7 +104,14 @@ def _names_failed_key(message: str, failed: set[str]) -> bool:
     return any(re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message) for key in failed)
 
 
-def validate_text(text: str, source: str) -> Validation:
+def check_task(recipe: Recipe, base_dir: Path) -> None:
+    """The task's files, tools and split sizes, checked as `run` checks them (tasks.registry.load_task)."""
+    task, _ = registry.load_task(recipe, base_dir)
+    task.close()
+
+
+def validate_text(text: str, source: str, base_dir: Path | None = None) -> Validation:
+    """`base_dir`: where the recipe's relative task paths start (default: the directory of `source`)."""
     result = Validation(source)
     try:
         data = load_recipe_data(text, source)
@@ -122,6 +130,7 @@ def validate_text(text: str, source: str) -> Validation:
     later: list[str] = consistency_problems(recipe)
     result.resolved = resolve_here(recipe, later)
     result.model_dirs = locate_models(recipe, later)
+    _attempt(later, check_task, recipe, base_dir if base_dir is not None else Path(source).resolve().parent)
     failed = {dotted(problem.path) for problem in found}
     result.problems += [p for p in later if not _names_failed_key(p, failed)]
     result.recipe = recipe if not result.problems else None

@@ -82,7 +82,9 @@ def start_run(recipe_path: Path, run_id: str | None, runs_dir: Path, reporter: R
     run_id = check_run_id(run_id or f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     run = RunDir.locate(runs_dir, run_id)
     if run.root.exists() and any(run.root.iterdir()):
-        raise RunStateError(f"run {run_id} already exists in {runs_dir}; continue it with `miniverl resume {run_id}`")
+        if not _creation_cut_short(run):
+            raise RunStateError(f"run {run_id} already exists in {runs_dir}; continue it with `miniverl resume {run_id}`")
+        shutil.rmtree(run.root)  # killed before its journal existed: nothing in it was ever run
     _, files = registry.load_task(recipe, recipe_path.resolve().parent)  # a bad task file: refused before any directory
     quiet_libraries()
     host = prepare(recipe)
@@ -103,8 +105,21 @@ def start_run(recipe_path: Path, run_id: str | None, runs_dir: Path, reporter: R
     return run
 
 
+# What a run directory holds before its journal is written (start_run writes the journal last).
+_CREATION_FILES = {layout.RECIPE_FILE, layout.TASK_DIR, layout.LOCK_FILE, layout.LOCK_PID_FILE, layout.EVENTS_FILE}
+
+
+def _creation_cut_short(run: RunDir) -> bool:
+    """A directory `start_run` began and was killed in before writing the journal."""
+    names = {path.name for path in run.root.iterdir()}
+    return layout.JOURNAL_FILE not in names and names <= _CREATION_FILES
+
+
 def open_run(run_id: str, runs_dir: Path) -> tuple[RunDir, Recipe]:
     run = RunDir.locate(runs_dir, run_id)
+    if run.root.is_dir() and any(run.root.iterdir()) and _creation_cut_short(run):
+        raise RunStateError(f"run {run_id} was stopped while it was being created, before any stage ran; "
+                            f"start it again with `miniverl run RECIPE --run-id {run_id}`")
     if not run.exists():
         raise RunStateError(f"no run {run_id} in {runs_dir}; `miniverl runs` lists the runs there")
     try:

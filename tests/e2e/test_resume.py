@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from support import SMALL, manifest, miniverl, recipe_dict, write_recipe
+from support import ROOT, SMALL, manifest, miniverl, recipe_dict, write_recipe
 
 # One kill point inside each of the seven stages (the driver's `ID:start`,
 # `ID:inputs-read`, `ID:computed`, `ID:wrote:PATH` after each output file); the
@@ -44,15 +44,41 @@ KILL_POINTS = [
 ]
 
 METRICS = ("adapter_sha256",)
+# The other tasks go through the same driver; a kill inside each stage of theirs, and
+# inside the task-file copies a jsonl run takes, must resume to the same bits too.
+OTHER_TASK_KILL_POINTS = [
+    "preflight:computed",
+    "c000000/rollout:computed",
+    "c000001/teacher_score:start",
+    "c000000/gradient:before-journal",
+    "c000001/optimizer_step:computed",
+    "verify@final:computed",
+]
+EXAMPLES = ROOT / "recipes" / "examples"
+TASK_RECIPES = {
+    "calculator": recipe_dict(**SMALL),
+    "sql": recipe_dict("tiny_sql.yaml", **SMALL),
+    "jsonl": recipe_dict("tiny_jsonl_example.yaml", **SMALL, **{
+        "task.path": str(EXAMPLES / "arithmetic.jsonl"), "task.tools": str(EXAMPLES / "arithmetic_tools.py")}),
+}
+
+
+def _reference(tmp_path_factory, task: str):
+    tmp = tmp_path_factory.mktemp(f"reference-{task}")
+    recipe = write_recipe(tmp, TASK_RECIPES[task])
+    done = miniverl("run", str(recipe), "--run-id", "ref", "--runs-dir", str(tmp / "runs"))
+    assert done.returncode == 0, done.stderr
+    return recipe, manifest(tmp / "runs", "ref")
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("reference")
-    recipe = write_recipe(tmp, recipe_dict(**SMALL))
-    done = miniverl("run", str(recipe), "--run-id", "ref", "--runs-dir", str(tmp / "runs"))
-    assert done.returncode == 0, done.stderr
-    return recipe, manifest(tmp / "runs", "ref")
+    return _reference(tmp_path_factory, "calculator")
+
+
+@pytest.fixture(scope="module", params=["sql", "jsonl"])
+def other_reference(request, tmp_path_factory):
+    return _reference(tmp_path_factory, request.param)
 
 
 def _comparable(document: dict) -> dict:
@@ -68,6 +94,31 @@ def _comparable(document: dict) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("point", KILL_POINTS)
 def test_sigkill_then_resume_is_bit_identical(point, reference, tmp_path):
+    _kill_and_resume(point, reference, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", OTHER_TASK_KILL_POINTS)
+def test_sigkill_then_resume_is_bit_identical_for_the_other_tasks(point, other_reference, tmp_path):
+    _kill_and_resume(point, other_reference, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_kill_while_the_run_is_created_leaves_a_run_that_starts_again(tmp_path_factory, tmp_path):
+    """Killed while copying the task files, before the journal exists: `run` with the same id starts afresh."""
+    recipe, expected = _reference(tmp_path_factory, "jsonl")
+    runs = tmp_path / "runs"
+    killed = miniverl("run", str(recipe), "--run-id", "r", "--runs-dir", str(runs),
+                      env={"MINIVERL_FAULT_KILL_AT": "write:tools.py"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    resumed = miniverl("resume", "r", "--runs-dir", str(runs))
+    assert resumed.returncode == 2 and "start it again" in resumed.stderr, resumed.stderr
+    again = miniverl("run", str(recipe), "--run-id", "r", "--runs-dir", str(runs))
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert _comparable(manifest(runs, "r")) == _comparable(expected)
+
+
+def _kill_and_resume(point, reference, tmp_path):
     recipe, expected = reference
     runs = tmp_path / "runs"
     killed = miniverl("run", str(recipe), "--run-id", "r", "--runs-dir", str(runs),

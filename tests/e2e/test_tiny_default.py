@@ -10,9 +10,10 @@ from support import ROOT, manifest, miniverl
 
 
 @pytest.mark.slow
-def test_tiny_default_learns_the_tool(tmp_path):
+@pytest.mark.parametrize("recipe", ["tiny_calc.yaml", "tiny_sql.yaml", "tiny_jsonl_example.yaml"])
+def test_tiny_default_learns_the_tool(tmp_path, recipe):
     started = time.perf_counter()
-    result = miniverl("run", str(ROOT / "recipes" / "tiny_calc.yaml"), "--run-id", "tiny", "--runs-dir", str(tmp_path))
+    result = miniverl("run", str(ROOT / "recipes" / recipe), "--run-id", "tiny", "--runs-dir", str(tmp_path))
     seconds = time.perf_counter() - started
     assert result.returncode == 0, result.stderr[-3000:]
     document = manifest(tmp_path, "tiny")
@@ -29,8 +30,9 @@ def test_tiny_default_learns_the_tool(tmp_path):
 
 
 @pytest.mark.slow
-def test_negative_control_completes_but_fails_the_gate(tmp_path):
-    result = miniverl("run", str(ROOT / "recipes" / "tiny_calc_raw_teacher.yaml"), "--run-id", "raw", "--runs-dir", str(tmp_path))
+@pytest.mark.parametrize("recipe", ["tiny_calc_raw_teacher.yaml", "tiny_sql_raw_teacher.yaml"])
+def test_negative_control_completes_but_fails_the_gate(tmp_path, recipe):
+    result = miniverl("run", str(ROOT / "recipes" / recipe), "--run-id", "raw", "--runs-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]  # the run itself completed
     document = manifest(tmp_path, "raw")
     assert document["verify"]["tool_call_rate"] <= 0.05
