@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from support import SMALL, manifest, miniverl, recipe_dict, write_recipe
+from miniverl.engine.core import layout
 
 TOOLS = '''
 def calculator(expression: str) -> str:
@@ -43,7 +45,7 @@ def test_a_jsonl_task_with_a_tools_module_runs_end_to_end(tmp_path):
     result = miniverl("run", str(recipe), "--runs-dir", str(runs), "--run-id", "mine")
     assert result.returncode == 0, result.stderr
     found = manifest(runs, "mine")
-    assert found["verify"]["final"]["tasks"] == 8
+    assert found["verify"]["tasks"] == 8 and found["status"] == "completed"
     # The run keeps the bytes it started with: the user's later edits cannot reach a resume.
     assert (runs / "mine" / "task" / "path.jsonl").read_bytes() == (tmp_path / "items.jsonl").read_bytes()
     assert (runs / "mine" / "task" / "tools.py").read_text() == TOOLS
@@ -59,11 +61,15 @@ def test_a_raising_tool_is_a_tool_error_the_model_reads(tmp_path):
     sevens = [{"id": f"s{i}", "prompt": f"What is {170 + i}+{270 + i}?", "answer": 440 + 2 * i,
                **({"split": "heldout"} if i % 4 == 0 else {})} for i in range(40)]
     recipe = _write_task(tmp_path, [json.dumps(item) for item in sevens])
+    # The protocol teacher as the student: it calls the tool from the first rollout on.
+    data = yaml.safe_load(recipe.read_text())
+    data["models"]["student"]["id"] = "miniverl-builtin/protocol_teacher"
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     runs = tmp_path / "runs"
     result = miniverl("run", str(recipe), "--runs-dir", str(runs), "--run-id", "sevens")
     assert result.returncode == 0, result.stderr
-    report = (runs / "sevens" / "verify" / "final.msgpack").read_bytes()
-    assert b"error: ValueError: sevens are not supported" in report
+    rollout = (runs / "sevens" / layout.rollout_ref(0).path).read_bytes()
+    assert b"error: ValueError: sevens are not supported" in rollout
 
 
 def _assert_refused(result, *needles: str, runs: Path) -> None:
@@ -77,13 +83,13 @@ def _assert_refused(result, *needles: str, runs: Path) -> None:
 
 GOOD = [json.dumps(item) for item in _items()]
 BAD_FILES = {
-    "malformed JSON": (GOOD[:3] + ['{"id": "x", "prompt": '] + GOOD[3:], None, ("items.jsonl", "line 4", "JSON")),
+    "malformed JSON": (GOOD[:3] + ['{"id": "x", "prompt": '] + GOOD[3:], None, ("items.jsonl:4", "JSON")),
     "missing field": (GOOD[:5] + [json.dumps({"id": "y", "prompt": "What is 1+1?"})] + GOOD[5:], None,
-                      ("items.jsonl", "line 6", "answer")),
+                      ("items.jsonl:6", "answer")),
     "duplicate id": (GOOD + [json.dumps({"id": "q1", "prompt": "What is 9+9?", "answer": 18})], None,
-                     ("items.jsonl", "line 61", "q1")),
+                     ("items.jsonl:61", "line 2", "q1")),
     "prompt in both splits": (GOOD + [json.dumps({"id": "z", "prompt": json.loads(GOOD[0])["prompt"], "answer": 1,
-                                                  "split": "train"})], None, ("items.jsonl", "line 61", "line 1")),
+                                                  "split": "train"})], None, ("items.jsonl:61", "line 1")),
     "empty split": ([json.dumps({**json.loads(line), "split": "train"}) for line in GOOD], None,
                     ("items.jsonl", "heldout")),
     "tools module fails to import": (GOOD, "import nonexistent_module_for_test\n", ("tools.py", "nonexistent")),
