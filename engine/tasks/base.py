@@ -65,12 +65,21 @@ class Tool(ABC):
 
     def argument_error(self, arguments: dict[str, Any]) -> str | None:
         """Why `arguments` do not fit the schema, or None."""
-        try:
-            jsonschema.validate(arguments, self.parameters)
-        except jsonschema.ValidationError as exc:
-            where = "/".join(str(p) for p in exc.absolute_path)
-            return f"{where}: {exc.message}" if where else exc.message
-        return None
+        error = jsonschema.exceptions.best_match(self._validator().iter_errors(arguments))
+        if error is None:
+            return None
+        where = "/".join(str(p) for p in error.absolute_path)
+        return f"{where}: {error.message}" if where else error.message
+
+    def _validator(self) -> Any:
+        # Built once per tool: `jsonschema.validate` re-checks the schema itself on every call,
+        # which cost the tool loop more than the tool did.
+        validator = self.__dict__.get("_schema_validator")
+        if validator is None:
+            cls = jsonschema.validators.validator_for(self.parameters, default=jsonschema.Draft202012Validator)
+            cls.check_schema(self.parameters)
+            validator = self.__dict__["_schema_validator"] = cls(self.parameters)
+        return validator
 
     @abstractmethod
     def run(self, arguments: dict[str, Any]) -> ToolResult:
