@@ -122,11 +122,20 @@ def cache_dir() -> Path:
 
 
 def database_path() -> Path:
-    """The cached database, built on first use and rebuilt when it is not the expected bytes."""
-    path = cache_dir() / DB_FILENAME
-    if not path.is_file() or file_sha256(path) != expected_sha256():
-        build_database(path)
-    return path
+    """The cached database, built on first use and rebuilt when it is not the expected bytes.
+
+    A cache directory that cannot be written (a read-only home, say) falls back to one under
+    the system's temporary directory rather than failing the run.
+    """
+    for directory in (cache_dir(), Path(tempfile.gettempdir()) / f"miniverl-{os.getuid()}"):
+        path = directory / DB_FILENAME
+        try:
+            if not path.is_file() or file_sha256(path) != expected_sha256():
+                build_database(path)
+            return path
+        except OSError:
+            continue
+    raise OSError(f"cannot write the sql task's database under {cache_dir()} or the temporary directory")
 
 
 def read_only_uri(path: Path) -> str:
