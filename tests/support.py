@@ -54,3 +54,15 @@ def miniverl(*args: str, env: dict | None = None, timeout: float = 600) -> subpr
 
 def manifest(runs_dir: Path, run_id: str) -> dict:
     return json.loads((runs_dir / run_id / "manifest.json").read_text())
+
+
+def drive_by_hand(loop, item, turns: list[str]):
+    """A `ToolLoop` episode whose model turns are the given texts, token by token (no model at all)."""
+    episode = loop.start(item)
+    scripts = [loop.tokenizer(t, add_special_tokens=False).input_ids for t in turns]
+    while not episode.finished:
+        if episode.pending:
+            loop.feed_forced(episode)
+        else:
+            loop.feed_sampled(episode, scripts[len(episode.turns)][len(episode.turn_tokens)], 0.0)
+    return episode

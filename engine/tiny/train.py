@@ -65,6 +65,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from miniverl.engine.models import loading
 from miniverl.engine.tasks.base import Task, TaskItem
 from miniverl.engine.tasks.protocol import END_OF_TURN, TOOL_CALL_OPEN, assistant_turn_text, render_prompt, tool_responses_text
 from miniverl.engine.tiny.evaluate import evaluate_greedy, evaluate_sampled, first_token_tool_prob
@@ -100,32 +101,23 @@ class Phase:
     task_seed: int = TRAIN_TASK_SEED
 
 
-# One recipe per shipped model of each family. Phase task seeds differ so the
-# student's phases see different training items.
-RECIPES: dict[str, dict[str, dict[str, Any]]] = {
-    "calculator": {
-        "protocol_teacher": {"seed": 11, "phases": [Phase("protocol", steps=500, lr=2e-3)]},
-        "raw_teacher": {"seed": 12, "phases": [Phase("direct", steps=300, lr=2e-3)]},
+# One recipe per shipped model; every family trains the same way, from its own seeds.
+# Phase task seeds differ so the student's phases see different training items.
+def family_recipes(first_seed: int) -> dict[str, dict[str, Any]]:
+    return {
+        "protocol_teacher": {"seed": first_seed, "phases": [Phase("protocol", steps=500, lr=2e-3)]},
+        "raw_teacher": {"seed": first_seed + 1, "phases": [Phase("direct", steps=300, lr=2e-3)]},
         "student_base": {
-            "seed": 13,
+            "seed": first_seed + 2,
             "phases": [
                 Phase("protocol", steps=600, lr=2e-3, task_seed=TRAIN_TASK_SEED + 1),
                 Phase("ignore_tools", steps=150, lr=5e-4, warmup=10, task_seed=TRAIN_TASK_SEED + 2),
             ],
         },
-    },
-    "sql": {
-        "protocol_teacher": {"seed": 21, "phases": [Phase("protocol", steps=500, lr=2e-3)]},
-        "raw_teacher": {"seed": 22, "phases": [Phase("direct", steps=300, lr=2e-3)]},
-        "student_base": {
-            "seed": 23,
-            "phases": [
-                Phase("protocol", steps=600, lr=2e-3, task_seed=TRAIN_TASK_SEED + 1),
-                Phase("ignore_tools", steps=150, lr=5e-4, warmup=10, task_seed=TRAIN_TASK_SEED + 2),
-            ],
-        },
-    },
-}
+    }
+
+
+RECIPES: dict[str, dict[str, dict[str, Any]]] = {"calculator": family_recipes(11), "sql": family_recipes(21)}
 # A tool error the tokenizer's corpus shows once per trace, so error texts stay short.
 ERROR_EXAMPLES = {"calculator": "error: invalid expression", "sql": "error: no such column"}
 
@@ -137,11 +129,6 @@ def build_family_task(family: TinyFamily) -> Task:
     assert family.task in BUILTINS
     return build_task(TaskSpec(name=family.task), {})
 
-
-def loading_tokenizer(path: Path) -> Any:
-    from miniverl.engine.models import loading
-
-    return loading.load_tokenizer(path)
 
 
 # ---------------------------------------------------------------- encoding
@@ -330,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer_dir = (out_root if args.build_tokenizer else family.root) / TOKENIZER_NAME
     if args.build_tokenizer:
         build_tokenizer(tokenizer_dir, task, ERROR_EXAMPLES[family.task], family.bpe_vocab_size)
-        tokenizer = loading_tokenizer(tokenizer_dir)
+        tokenizer = loading.load_tokenizer(tokenizer_dir)  # its size is what the new family's constant records
         print(f"tokenizer: {len(tokenizer)} tokens in {tokenizer_dir}", flush=True)
     else:
         tokenizer = load_tokenizer(tokenizer_dir, family)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from support import drive_by_hand
 from miniverl.engine.rollout.loop import Budget, ToolLoop
 from miniverl.engine.tasks.base import ToolCall
 from miniverl.engine.tasks.protocol import END_OF_TURN, assistant_turn_text
@@ -21,18 +22,6 @@ HOSTILE = [
 ]
 
 
-def _drive(loop: ToolLoop, item, turns: list[str]):
-    tokenizer = loop.tokenizer
-    episode = loop.start(item)
-    scripts = [tokenizer(t, add_special_tokens=False).input_ids for t in turns]
-    while not episode.finished:
-        if episode.pending:
-            loop.feed_forced(episode)
-        else:
-            loop.feed_sampled(episode, scripts[len(episode.turns)][len(episode.turn_tokens)], 0.0)
-    return episode
-
-
 def test_hostile_queries_are_tool_errors_and_the_episode_goes_on():
     task = SqlTask()
     item = task.items("heldout", 1, seed=0)[0]
@@ -42,7 +31,7 @@ def test_hostile_queries_are_tool_errors_and_the_episode_goes_on():
     hostile = assistant_turn_text("", [ToolCall("sql", {"query": q}) for q in HOSTILE]) + END_OF_TURN
     gold = assistant_turn_text("", item.reference_calls) + END_OF_TURN
     started = time.perf_counter()
-    episode = _drive(loop, item, [hostile, gold, task.final_answer_text(item.answer) + END_OF_TURN])
+    episode = drive_by_hand(loop, item, [hostile, gold, task.final_answer_text(item.answer) + END_OF_TURN])
     assert time.perf_counter() - started < 10  # each runaway query is cut by its own 0.5 s budget
     first = episode.results[0]
     assert len(first) == len(HOSTILE)

@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from support import drive_by_hand  # noqa: E402
 from miniverl.engine.core.artifacts import PROVENANCE_MODEL, PROVENANCE_PROMPT, PROVENANCE_TOOL  # noqa: E402
 from miniverl.engine.rollout.loop import SamplingPolicy, ToolLoop  # noqa: E402
 from miniverl.engine.tasks.base import TaskItem, ToolCall  # noqa: E402
@@ -84,15 +85,7 @@ def tokenizer():
 
 def by_hand(tokenizer, turns: list[str]):
     """`ToolLoop` driven directly with the script's tokens: the rules rollout and verify follow."""
-    loop = ToolLoop(tokenizer, CALC, BUDGET)
-    episode = loop.start(TASK)
-    scripts = [tokenizer(t, add_special_tokens=False).input_ids for t in turns]
-    while not episode.finished:
-        if episode.pending:
-            loop.feed_forced(episode)
-        else:
-            loop.feed_sampled(episode, scripts[len(episode.turns)][len(episode.turn_tokens)], 0.0)
-    return episode
+    return drive_by_hand(ToolLoop(tokenizer, CALC, BUDGET), TASK, turns)
 
 
 def test_both_tool_calls_of_one_turn_are_answered_in_one_message(tokenizer):
