@@ -25,6 +25,7 @@ from miniverl.engine.core.artifacts import Resolution
 from miniverl.engine.core.recipe import Recipe
 from miniverl.engine.models.checks import ROLES, CheckedModels, Refusals, check_models
 from miniverl.engine.models.memory_estimate import (
+    memory_refusal,
     ModelShape, estimate, free_memory, lora_parameters, model_shape, parameter_counts,
 )
 
@@ -150,4 +151,8 @@ def dry_run(recipe_path: Path) -> DryRunReport:
         report.memory_note = "no memory estimate: a config lacks the dense-transformer sizes it is computed from"
     else:
         report.memory = memory_report(recipe, resolved, student, teacher)
+        refusal = memory_refusal(recipe, checked.configs, *(resolved[key].value for key in (
+            "models.device", "dtype", "optimizer.name", "memory.strategy")))
+        if refusal is not None:  # the run refuses it too (engine.run.commands.prepare)
+            report.problems.append(refusal)
     return report

@@ -32,12 +32,37 @@ PositiveFloat = Annotated[float, msgspec.Meta(gt=0.0)]
 BUILTIN_PREFIX = "miniverl-builtin/"
 
 
+def _upto(limit: int, why: str) -> Any:
+    """A positive count with a documented ceiling; the schema error quotes `why` when a recipe passes it."""
+    return Annotated[int, msgspec.Meta(ge=1, le=limit, description=why)]
+
+
+# Ceilings on counts that have no sane use beyond them (README, "Recipe limits"): each would only make a
+# run hang, exhaust memory or fill the disk long before it taught anything.
+MAX_CYCLES = 100_000  # cycle ids are six digits; a real OPD run takes hundreds to thousands of steps
+MAX_BATCH = 4096  # sequences on one card at a time; far above what 24 GiB holds at any useful length
+MAX_TOKENS = 1_048_576  # a million-token budget; the models' own context length is checked against it too
+MAX_TURNS = 64
+MAX_RANK = 1024  # a LoRA rank at a 1024-wide model is already a full-rank update
+MAX_TOPK = 4096
+MAX_HELDOUT = 100_000
+Cycles = _upto(MAX_CYCLES, f"{MAX_CYCLES:,} optimizer steps is far beyond any OPD run")
+BatchCount = _upto(MAX_BATCH, f"more than {MAX_BATCH} sequences at a time cannot fit one card")
+RolloutCount = _upto(MAX_BATCH, f"more than {MAX_BATCH} trajectories a cycle cannot fit one card")
+TokenCount = _upto(MAX_TOKENS, f"more than {MAX_TOKENS:,} tokens a sequence cannot be trained on one card")
+TurnCount = _upto(MAX_TURNS, f"{MAX_TURNS} turns is beyond any tool-use episode worth training")
+Rank = _upto(MAX_RANK, f"beyond rank {MAX_RANK} an adapter is no longer low-rank")
+TopK = _upto(MAX_TOPK, f"for more than {MAX_TOPK} teacher tokens use loss.mode: exact")
+ChunkSize = _upto(MAX_TOKENS, f"a chunk is at most the {MAX_TOKENS:,}-token sequence ceiling")
+HeldoutCount = _upto(MAX_HELDOUT, f"{MAX_HELDOUT:,} held-out items is more than a verify needs")
+
+
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     pass
 
 
 class LoraSpec(_Strict):
-    r: Positive = 8
+    r: Rank = 8
     alpha: PositiveFloat = 16.0
     dropout: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
     target_modules: list[str] = msgspec.field(
@@ -87,21 +112,21 @@ class OptimizerSpec(_Strict):
 
 
 class TrainSpec(_Strict):
-    cycles: Positive = 10
-    rollouts_per_cycle: Positive = 32
-    trajectory_batch_size: Positive = 1
+    cycles: Cycles = 10
+    rollouts_per_cycle: RolloutCount = 32
+    trajectory_batch_size: BatchCount = 1
     # Recompute each student layer in the gradient stage's backward instead of
     # keeping its activations: less memory, one more forward; same gradient.
     gradient_checkpointing: bool = False
 
 
 class RolloutSpec(_Strict):
-    max_turns: Positive = 3
-    max_new_tokens_per_turn: Positive = 64
-    max_total_tokens: Positive = 512
+    max_turns: TurnCount = 3
+    max_new_tokens_per_turn: TokenCount = 64
+    max_total_tokens: TokenCount = 512
     temperature: PositiveFloat = 1.0
     top_p: Probability = 1.0
-    generation_batch_size: Positive = 32
+    generation_batch_size: BatchCount = 32
     # auto: the CUDA-graph decode engine on CUDA, the plain forward-pass loop elsewhere;
     # plain: the loop everywhere (slower; for debugging and for the before/after benchmark).
     engine: Literal["auto", "plain"] = "auto"
@@ -111,13 +136,13 @@ class LossRecipe(_Strict):
     mode: Literal["sampled_kl", "topk_tail", "exact"] = "exact"
     divergence: Literal["reverse_kl", "forward_kl", "jsd"] = "reverse_kl"
     jsd_beta: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.5
-    topk: Positive = 16
-    chunk_size: Positive = 256
+    topk: TopK = 16
+    chunk_size: ChunkSize = 256
 
 
 class MemorySpec(_Strict):
     strategy: Literal["auto", "resident", "swap"] = "auto"
-    min_chunk_size: Positive = 16
+    min_chunk_size: ChunkSize = 16
 
 
 # A built-in task, `jsonl` (the user's own file), or a Python class as `package.module:Class` / `file.py:Class`.
@@ -128,7 +153,7 @@ class TaskSpec(_Strict):
     """Which skill is taught; the keys below `heldout_seed` belong to one kind of task (tasks.registry checks which)."""
 
     name: TaskName = "calculator"
-    heldout_size: Positive = 64
+    heldout_size: HeldoutCount = 64
     train_seed: NonNegative = 0
     heldout_seed: NonNegative = 0
     operand_max: Annotated[int, msgspec.Meta(ge=10, le=10**6)] | None = None  # calculator (default 999)
@@ -139,8 +164,8 @@ class TaskSpec(_Strict):
 
 
 class VerifySpec(_Strict):
-    max_new_tokens_per_turn: Positive = 64
-    batch_size: Positive = 64
+    max_new_tokens_per_turn: TokenCount = 64
+    batch_size: BatchCount = 64
     min_tool_call_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
 
 

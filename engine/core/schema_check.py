@@ -114,7 +114,10 @@ def _describe(error: ValidationError, root: dict[str, Any]) -> list[Problem]:
         return [Problem((*path, key), "unknown") for key in error.instance
                 if key not in known and not any(re.search(p, str(key)) for p in patterns)]
     if error.validator in _DESCRIBED:
-        return [Problem(path, "invalid", f"expected {_expected(error.schema, root)}; got {_shown(error.instance)}")]
+        detail = f"expected {_expected(error.schema, root)}; got {_shown(error.instance)}"
+        if error.validator in ("maximum", "exclusiveMaximum") and "description" in error.schema:
+            detail += f"; {error.schema['description']}"  # why the ceiling is where it is
+        return [Problem(path, "invalid", detail)]
     return [Problem(path, "invalid", error.message)]
 
 

@@ -74,6 +74,9 @@ def check_models(recipe: Recipe, dirs: dict[str, Path], refusals: Refusals) -> C
         found.setdefault("teacher", found["student"])
     if tensors["student"] is not None and configs["student"] is not None:
         refusals.check(check_lora_targets, recipe.models.student, tensors["student"], configs["student"])
+    for role in roles:
+        if configs[role] is not None:
+            refusals.check(check_context, role, recipe, configs[role])
     adapter = _check_runtime(recipe, dirs, refusals)
     tokenizer = refusals.check(load_student_tokenizer, dirs["student"])
     pairing = None
@@ -82,6 +85,15 @@ def check_models(recipe: Recipe, dirs: dict[str, Path], refusals: Refusals) -> C
     if pairing is not None:
         refusals.check(require_pairing, pairing)
     return CheckedModels(configs, tensors, tokenizer, pairing, adapter)
+
+
+def check_context(role: str, recipe: Recipe, config: dict[str, Any]) -> None:
+    """A sequence longer than the model's positions would be trained on positions it never saw."""
+    limit = config.get("text_config", config).get("max_position_embeddings")
+    budget = recipe.rollout.max_total_tokens
+    if _is_int(limit) and budget > limit:
+        raise RecipeError(f"recipe key rollout.max_total_tokens: {budget:,} is beyond the {role}'s context "
+                          f"(max_position_embeddings {limit:,}); set it to at most {limit:,}")
 
 
 def _has_rows(config: dict[str, Any] | None) -> bool:

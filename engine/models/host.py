@@ -57,6 +57,7 @@ class ModelHost:
         # The checks `miniverl run --dry-run` collects; here the first refusal raises, before any weight loads.
         dirs = {"student": self.student_dir, "teacher": self.teacher_dir}
         checked = check_models(recipe, dirs, Refusals(collect=False))
+        self.configs = checked.configs  # role -> config.json, for the memory plan
         self.teacher_adapter: TeacherAdapter | None = checked.teacher_adapter
         self.pairing: Pairing = checked.pairing  # tokenizer byte-identity and vocabulary rows, already required
         self.tokenizer = checked.tokenizer  # the student's; the checks loaded it to count its tokens

@@ -155,6 +155,15 @@ def total_ram() -> int | None:
     return found
 
 
+def total_memory(device: str) -> tuple[int | None, str]:
+    """All the memory `device` has, free or not: a stage that needs more can never run there."""
+    if device == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(0)[1]), f"{torch.cuda.get_device_name(0)} has"
+    return total_ram(), "this machine has"
+
+
 def free_memory(device: str) -> tuple[int | None, str]:
     """Bytes free for this run on `device`, and where the figure comes from."""
     if device == "cuda":
@@ -248,3 +257,41 @@ def estimate(recipe: Recipe, student: ModelShape, teacher: ModelShape, device: s
                       overhead),
         StageEstimate(layout.OPTIMIZER_STEP, weights("student"), 3 * lora + lora // FP32 * moments, 0, 0, 0, overhead),
     ]
+
+
+# The recipe key that sizes each term, for the line that refuses a plan; the first named is the one to lower.
+_TERM_KEYS = {
+    "kv_cache": "rollout.max_total_tokens",
+    "activations": "rollout.max_total_tokens",
+    "chunk_tensors": "loss.chunk_size",
+    "adapter": "models.student.lora.r",
+    "weights": "models",
+}
+_BATCH_KEYS = {layout.ROLLOUT: "rollout.generation_batch_size", layout.VERIFY: "verify.batch_size",
+               layout.GRADIENT: "train.trajectory_batch_size", layout.TEACHER_SCORE: "train.trajectory_batch_size"}
+
+
+def impossible_plan(stages: list[StageEstimate], device: str) -> str | None:
+    """The line refusing a plan whose largest stage exceeds all of the device's memory, or None.
+
+    Only what can never fit is refused (free memory changes from minute to minute; `--dry-run` shows it)."""
+    total, source = total_memory(device)
+    largest = max(stages, key=lambda stage: stage.total)
+    if total is None or largest.total <= total:
+        return None
+    term = max(_TERM_KEYS, key=lambda name: getattr(largest, name))
+    key = _TERM_KEYS[term]
+    batch = f" (with {_BATCH_KEYS[largest.stage]})" if term in ("kv_cache", "activations") and largest.stage in _BATCH_KEYS else ""
+    return (f"recipe key {key}: the {largest.stage} stage would need about {largest.total / 2**30:,.1f} GiB "
+            f"({term.replace('_', ' ')} {getattr(largest, term) / 2**30:,.1f} GiB) and {source} "
+            f"{total / 2**30:,.1f} GiB in all; lower {key}{batch}")
+
+
+def memory_refusal(recipe: Recipe, configs: dict[str, dict[str, Any] | None], device: str, dtype: str,
+                   optimizer: str, strategy: str) -> str | None:
+    """`impossible_plan` for the located models' configs (None when a config is not a dense transformer's)."""
+    try:
+        student, teacher = (model_shape(configs[role] or {}) for role in ("student", "teacher"))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return impossible_plan(estimate(recipe, student, teacher, device, dtype, optimizer, strategy), device)

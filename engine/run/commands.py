@@ -9,8 +9,9 @@ from pathlib import Path
 from miniverl.engine.core import layout
 from miniverl.engine.core.atomic_io import write_bytes_atomic
 from miniverl.engine.core.device import resolve_all
-from miniverl.engine.core.errors import ArtifactError, RunStateError, UserError
+from miniverl.engine.core.errors import ArtifactError, RecipeError, RunStateError, UserError
 from miniverl.engine.models.host import ModelHost
+from miniverl.engine.models.memory_estimate import memory_refusal
 from miniverl.engine.run.driver import Driver
 from miniverl.engine.core.progress import Reporter
 from miniverl.engine.core.recipe import Recipe, load_recipe, parse_recipe
@@ -45,7 +46,12 @@ def prepare(recipe: Recipe) -> ModelHost:
     the `auto` resolutions, then the models (ModelHost calls models.checks.check_models).
     """
     resolved = resolve_all(recipe)
-    return ModelHost(recipe, resolved["device"].value, resolved["dtype"].value, resolved["memory.strategy"].value)
+    host = ModelHost(recipe, resolved["device"].value, resolved["dtype"].value, resolved["memory.strategy"].value)
+    refusal = memory_refusal(recipe, host.configs, resolved["device"].value, resolved["dtype"].value,
+                             resolved["optimizer.name"].value, resolved["memory.strategy"].value)
+    if refusal is not None:
+        raise RecipeError(refusal)
+    return host
 
 
 def copy_task_files(run: RunDir, recipe: Recipe, files: dict[str, Path]) -> None:

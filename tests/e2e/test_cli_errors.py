@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,27 @@ def test_bad_recipes_exit_2_with_one_line(tmp_path, override, needle):
     recipe = write_recipe(tmp_path, recipe_dict(**{**SMALL, **override}))
     runs = tmp_path / "runs"
     _assert_user_error(miniverl("run", str(recipe), "--runs-dir", str(runs)), needle, runs)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ({"train.cycles": 10**9}, "recipe key train.cycles: expected integer >= 1 and <= 100000; got integer 1000000000; "
+                              "100,000 optimizer steps is far beyond any OPD run"),
+    ({"rollout.max_total_tokens": 10**9}, "recipe key rollout.max_total_tokens: expected integer >= 1 and <= 1048576"),
+    ({"rollout.max_total_tokens": 100_000}, "recipe key rollout.max_total_tokens: 100,000 is beyond the student's "
+                                            "context (max_position_embeddings 512)"),
+    ({"task.heldout_size": 10**9}, "recipe key task.heldout_size: expected integer >= 1 and <= 100000"),
+    ({"task.operand_max": 10}, "recipe key train.rollouts_per_cycle: 8 asks for more distinct train items"),
+    ({"train.rollouts_per_cycle": 10**6}, "recipe key train.rollouts_per_cycle: expected integer >= 1 and <= 4096"),
+    ({"models.student.lora.r": 10**6}, "recipe key models.student.lora.r: expected integer >= 1 and <= 1024"),
+])
+def test_values_that_would_hang_or_exhaust_the_machine_are_refused_at_once(tmp_path, override, needle):
+    """Issue 13: each of these once hung silently or grew without bound; now one line, within seconds."""
+    recipe = write_recipe(tmp_path, recipe_dict(**{**SMALL, **override}))
+    runs = tmp_path / "runs"
+    started = time.monotonic()
+    result = miniverl("run", str(recipe), "--runs-dir", str(runs))
+    assert time.monotonic() - started < 30  # a Python start and the checks; the hang it replaces never ended
+    _assert_user_error(result, needle, runs)
 
 
 def test_missing_recipe_file(tmp_path):

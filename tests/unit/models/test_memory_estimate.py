@@ -158,3 +158,27 @@ def test_memory_savers_save_memory():
     assert paged["optimizer_step"].adapter < cuda["optimizer_step"].adapter
     assert all(s.total == s.weights + s.adapter + s.kv_cache + s.activations + s.chunk_tensors + s.runtime
                for s in cuda.values())
+
+
+# ---------------------------------------------------------------- refusing a plan that can never fit
+def _refusal(recipe: Recipe, total_bytes: int, monkeypatch) -> str | None:
+    from miniverl.engine.models import memory_estimate
+
+    monkeypatch.setattr(memory_estimate, "total_memory", lambda device: (total_bytes, "this machine has"))
+    return memory_estimate.memory_refusal(recipe, {"student": STUDENT_CONFIG, "teacher": TEACHER_CONFIG},
+                                          "cpu", "float32", "adamw", "resident")
+
+
+def test_a_plan_above_all_memory_is_refused_naming_the_key_to_lower(monkeypatch):
+    recipe = _recipe(**{"rollout.max_total_tokens": 512, "verify.batch_size": 4096, "task.heldout_size": 4096})
+    largest = max(_stages(recipe).values(), key=lambda stage: stage.total)
+    assert _refusal(recipe, largest.total, monkeypatch) is None  # exactly all of it: not refused
+    line = _refusal(recipe, largest.total - 1, monkeypatch)
+    assert line is not None and line.startswith("recipe key rollout.max_total_tokens: the verify stage would need")
+    assert "lower rollout.max_total_tokens (with verify.batch_size)" in line and "\n" not in line
+
+
+def test_a_huge_chunk_is_refused_by_its_own_key(monkeypatch):
+    recipe = _recipe(**{"loss.chunk_size": 1_000_000})
+    line = _refusal(recipe, 2**30, monkeypatch)
+    assert line is not None and line.startswith("recipe key loss.chunk_size: the gradient stage")
