@@ -5,7 +5,8 @@ Set by environment variables so a test can drive a real `miniverl` subprocess:
   raises the real `torch.OutOfMemoryError`, as a GPU that cannot fit it would.
 - MINIVERL_FAULT_KILL_AT=NAME[#K]: the process SIGKILLs itself the K-th time
   (default first) it reaches the kill point NAME. Writes are kill points too:
-  `write:FILE` fires after FILE's new bytes are fsynced, before the rename.
+  `write:FILE` fires after FILE's new bytes are fsynced, before the rename;
+  `tear:journal.log` after half of a journal record reaches the disk.
 - MINIVERL_FAULT_ENOSPC_AT=FILE[#K]: the K-th write of FILE fails with the
   real ENOSPC OSError, as a full disk would.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+from typing import BinaryIO
 
 import torch
 
@@ -42,6 +44,15 @@ def _nth_hit(variable: str, name: str) -> bool:
 
 def kill_point(name: str) -> None:
     if _nth_hit("MINIVERL_FAULT_KILL_AT", name):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def tear_point(name: str, handle: BinaryIO, data: bytes) -> None:
+    """A kill point inside an append: `tear:NAME` writes half of `data` to the disk, then SIGKILLs."""
+    if _nth_hit("MINIVERL_FAULT_KILL_AT", f"tear:{name}"):
+        handle.write(data[: len(data) // 2])
+        handle.flush()
+        os.fsync(handle.fileno())
         os.kill(os.getpid(), signal.SIGKILL)
 
 

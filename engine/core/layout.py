@@ -32,7 +32,8 @@ VERIFY_LABELS = (BASELINE, FINAL)
 
 # Files of the run directory itself (not stage outputs).
 RECIPE_FILE = "recipe.yaml"
-JOURNAL_FILE = "journal.msgpack"
+JOURNAL_FILE = "journal.msgpack"  # the journal's snapshot (a run exists once it does)
+JOURNAL_LOG = "journal.log"  # the updates since that snapshot, appended
 EVENTS_FILE = "events.jsonl"
 LOCK_FILE = "lock"
 LOCK_PID_FILE = "lock.pid"

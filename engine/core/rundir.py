@@ -1,11 +1,26 @@
 """The run directory: journal, lock, events, and where each artifact lives.
 
 The journal is the source of truth for resume. A stage is `done` only once
-its outputs are on disk (each written atomically) and the journal entry that
-names their hashes has been written after them, atomically too. The lock is
-an OS file lock (released by the kernel when its holder dies, so a stale lock
-cannot outlive a killed process); the holder's pid sits beside it for the
-error message.
+its outputs are on disk (each written atomically) and the journal record that
+names their hashes has been appended after them. The lock is an OS file lock
+(released by the kernel when its holder dies, so a stale lock cannot outlive a
+killed process); the holder's pid sits beside it for the error message.
+
+The journal is a snapshot plus an append-only log, so recording a stage costs
+the same at cycle 5,000 as at cycle 1:
+
+    journal.msgpack  Journal: every stage record, through log record `seq` (written atomically)
+    journal.log      frames of [u32 length][u32 crc32][msgpack Update]; each Update sets some stage
+                     records at once and carries the next `seq`
+
+Reading replays the log's updates above the snapshot's `seq` and stops at the
+first frame that is short or fails its checksum: the torn tail of a process
+killed mid-append (the writer cuts it off before appending again). Every so
+often the whole journal is written as a new snapshot and the log emptied; a
+kill between the two leaves updates the snapshot already holds, which replay
+skips by their `seq`. A snapshot is written once the log has grown as large
+as the last one, so snapshots never cost more bytes than the appends did: O(1)
+per stage on average, and a reader never replays more than a snapshot's size.
 """
 
 from __future__ import annotations
@@ -13,7 +28,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 import time
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,8 +40,9 @@ import msgspec
 
 from miniverl.engine.core import layout
 from miniverl.engine.core.artifacts import Manifest, decode_manifest, read_artifact, read_tensors_file
-from miniverl.engine.core.atomic_io import append_line, sha256_bytes, write_bytes_atomic
+from miniverl.engine.core.atomic_io import DiskWriteError, append_line, sha256_bytes, write_bytes_atomic
 from miniverl.engine.core.errors import ArtifactError, RunStateError
+from miniverl.engine.core.faults import kill_point, tear_point
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
@@ -44,6 +62,41 @@ class StageRecord(msgspec.Struct):
 class Journal(msgspec.Struct):
     run_id: str
     stages: dict[str, StageRecord] = msgspec.field(default_factory=dict)
+    seq: int = 0  # the last log update this journal holds
+
+
+class Update(msgspec.Struct):
+    """One log record: these stage records, as they now stand."""
+
+    seq: int
+    stages: dict[str, StageRecord]
+
+
+_FRAME = struct.Struct("<II")  # payload length, crc32 of the payload
+SNAPSHOT_MIN_BYTES = 4096  # a new snapshot once the log holds max(this, the snapshot's size) bytes
+_update_encoder = msgspec.msgpack.Encoder()
+_update_decoder = msgspec.msgpack.Decoder(Update)
+
+
+def _frame(update: Update) -> bytes:
+    payload = _update_encoder.encode(update)
+    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def _updates(data: bytes) -> tuple[list[Update], int]:
+    """The log's whole frames, and the byte length they fill (the rest is a torn tail)."""
+    updates, at = [], 0
+    while at + _FRAME.size <= len(data):
+        length, crc = _FRAME.unpack_from(data, at)
+        payload = data[at + _FRAME.size: at + _FRAME.size + length]
+        if len(payload) < length or zlib.crc32(payload) != crc:
+            break
+        try:
+            updates.append(_update_decoder.decode(payload))
+        except msgspec.DecodeError:
+            break
+        at += _FRAME.size + length
+    return updates, at
 
 
 def check_run_id(run_id: str) -> str:
@@ -58,6 +111,9 @@ class RunDir:
     def __init__(self, root: Path):
         self.root = root
         self.journal_path = root / layout.JOURNAL_FILE
+        self.log_path = root / layout.JOURNAL_LOG
+        self._log_bytes = 0  # the log's length and the snapshot's, as this writer knows them
+        self._snapshot_bytes = 0
         self.events_path = root / layout.EVENTS_FILE
         self._lock = filelock.FileLock(str(root / layout.LOCK_FILE), timeout=0)
 
@@ -95,15 +151,63 @@ class RunDir:
 
     # ------------------------------------------------------------- journal
     def read_journal(self) -> Journal:
+        """The snapshot with the log's whole updates applied (safe while another process appends)."""
+        return self._load()[0]
+
+    def _load(self) -> tuple[Journal, list[Update], int]:
         try:
-            return msgspec.msgpack.decode(self.journal_path.read_bytes(), type=Journal)
+            journal = msgspec.msgpack.decode(self.journal_path.read_bytes(), type=Journal)
         except FileNotFoundError:
             raise RunStateError(f"{self.root} is not a miniverl run (no journal); check the run id") from None
         except msgspec.DecodeError:
             raise RunStateError(f"{self.journal_path} is unreadable; the run cannot be resumed") from None
+        try:
+            updates, whole = _updates(self.log_path.read_bytes())
+        except FileNotFoundError:
+            updates, whole = [], 0
+        for update in updates:
+            if update.seq > journal.seq:  # not already in the snapshot (a kill before the log was emptied)
+                journal.stages.update(update.stages)
+                journal.seq = update.seq
+        return journal, updates, whole
+
+    def open_journal(self) -> Journal:
+        """The journal for a writer holding the lock: a torn tail left by a killed writer is cut off first."""
+        journal, _, whole = self._load()
+        if self.log_path.exists() and self.log_path.stat().st_size != whole:
+            with open(self.log_path, "r+b") as handle:
+                handle.truncate(whole)
+                os.fsync(handle.fileno())
+        self._log_bytes, self._snapshot_bytes = whole, self.journal_path.stat().st_size
+        return journal
 
     def write_journal(self, journal: Journal) -> None:
-        write_bytes_atomic(self.journal_path, msgspec.msgpack.encode(journal))
+        """The whole journal as a new snapshot, then an empty log (a new run, or compaction)."""
+        snapshot = msgspec.msgpack.encode(journal)
+        write_bytes_atomic(self.journal_path, snapshot)
+        kill_point("journal:snapshot-written")  # the log still holds updates the snapshot has
+        if self.log_path.exists():
+            with open(self.log_path, "r+b") as handle:
+                handle.truncate(0)
+                os.fsync(handle.fileno())
+        self._log_bytes, self._snapshot_bytes = 0, len(snapshot)
+
+    def record(self, journal: Journal, *stage_ids: str) -> None:
+        """Append these stages' records as they now stand in `journal` (one update, applied whole or not at all)."""
+        journal.seq += 1
+        frame = _frame(Update(journal.seq, {key: journal.stages[key] for key in stage_ids}))
+        try:
+            with open(self.log_path, "ab") as handle:
+                tear_point("journal.log", handle, frame)
+                handle.write(frame)
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as exc:
+            journal.seq -= 1
+            raise DiskWriteError(exc.errno or 0, f"could not append to {self.log_path}: {exc.strerror or exc}") from exc
+        self._log_bytes += len(frame)
+        if self._log_bytes >= max(SNAPSHOT_MIN_BYTES, self._snapshot_bytes):
+            self.write_journal(journal)
 
     # ------------------------------------------------------------- events
     def event(self, kind: str, **fields: object) -> None:

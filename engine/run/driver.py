@@ -2,8 +2,8 @@
 
 For one stage: mark it running in the journal; read the inputs it names
 (each file checked against the hash its producer's journal entry recorded);
-run it; write what it returns, each file atomically; and only then record it
-done, with the hashes of what it read and what it wrote. A crash at any
+run it; write what it returns, each file atomically; and only then append the
+record that marks it done, with the hashes of what it read and what it wrote. A crash at any
 instant leaves a stage either done with all its outputs intact, or not done,
 and `resume` reruns exactly the stages that are not.
 
@@ -41,7 +41,7 @@ STAGES: dict[str, Stage] = {s.NAME: s for s in (preflight, rollout, teacher_scor
 class Driver:
     def __init__(self, run: RunDir, recipe: Recipe, reporter: Reporter, host: ModelHost, task: Task):
         self.run, self.recipe, self.reporter, self.host, self.task = run, recipe, reporter, host, task
-        self.journal = run.read_journal()
+        self.journal = run.open_journal()
         self.observer = Observer(run, recipe, reporter)
 
     def run_all(self) -> None:
@@ -92,7 +92,7 @@ class Driver:
         before = dict(record.outputs)
         record.state, record.pid, record.started, record.error = "running", os.getpid(), time.time(), None
         record.attempts += 1
-        self.run.write_journal(self.journal)
+        self.run.record(self.journal, key.id)
         self.observer.stage_started(key, record.attempts)
         kill_point(f"{key.id}:start")
         peak = PeakMemory(self.host.device)
@@ -118,9 +118,8 @@ class Driver:
         record.state, record.outputs = "done", written
         record.inputs = {refs[name].path: digest for name, digest in digests.items()}
         record.seconds, record.peak_memory_bytes = time.perf_counter() - started, peak.allocated
-        if before and before != written:
-            self._invalidate_readers(key, before, written)
-        self.run.write_journal(self.journal)
+        invalidated = self._invalidate_readers(before, written) if before and before != written else []
+        self.run.record(self.journal, *invalidated, key.id)
         self.observer.stage_done(key, record, peak.reserved, self.read, self.journal.stages)
 
     def _context(self, key: StageKey, digests: dict[str, str]) -> StageContext:
@@ -143,17 +142,20 @@ class Driver:
             written[out.ref.path] = out.sha256
         return written
 
-    def _invalidate_readers(self, key: StageKey, before: dict[str, str], after: dict[str, str]) -> None:
+    def _invalidate_readers(self, before: dict[str, str], after: dict[str, str]) -> list[str]:
         """The stage rewrote some files with other bytes: the done stages that read them must rerun."""
         changed = {path for path in before.keys() | after.keys() if before.get(path) != after.get(path)}
-        for record in self.journal.stages.values():
+        pending = []
+        for key, record in self.journal.stages.items():
             if record.state == "done" and changed & record.inputs.keys():
                 record.state = "pending"
+                pending.append(key)
+        return pending
 
     def _record_failure(self, key: StageKey, exc: Exception) -> None:
         """Best effort: the journal and a traceback log; a full disk may refuse both."""
         try:
-            self.run.write_journal(self.journal)
+            self.run.record(self.journal, key.id)
             self.observer.stage_failed(key, str(exc))
             with open(self.run.root / layout.ERRORS_LOG, "a", encoding="utf-8") as log:
                 log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {key.id}\n")

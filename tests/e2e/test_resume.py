@@ -10,7 +10,8 @@ from support import ROOT, SMALL, manifest, miniverl, recipe_dict, write_recipe
 # `ID:inputs-read`, `ID:computed`, `ID:wrote:PATH` after each output file); the
 # instants between a stage's outputs and its journal entry; and inside the writes
 # of every kind of file (`write:NAME[#K]`: the K-th write of NAME is killed after
-# its new bytes are fsynced to the temporary file, before the rename).
+# its new bytes are fsynced to the temporary file, before the rename); and the
+# journal's own writes (a torn record, the snapshot rewrite).
 KILL_POINTS = [
     "preflight:start",
     "preflight:wrote:checkpoints/000000/adapter.safetensors",
@@ -29,7 +30,10 @@ KILL_POINTS = [
     "manifest:before-journal",
     "write:resolved.json",
     "write:preflight.msgpack",
-    "write:journal.msgpack#3",
+    "write:journal.msgpack#2",  # the journal's snapshot rewrite (the first write creates the run)
+    "journal:snapshot-written",  # the new snapshot in place, the log not yet emptied
+    "tear:journal.log#5",  # half a journal record on disk (a stage's start)
+    "tear:journal.log#22",  # ... and a stage's done record
     "write:baseline.msgpack",
     "write:rollout.msgpack#2",
     "write:teacher_score.safetensors",

@@ -25,7 +25,7 @@ def test_every_schema_problem_is_listed_once():
         "recipe key name: expected string; got integer 7",
         "recipe key train.cyclez: unknown key (README.md lists the recipe keys)",
         "recipe key rollout.top_p: expected number > 0 and <= 1; got number 1.5",
-        "recipe key loss.chunk_size: expected integer >= 1; got integer 0",
+        "recipe key loss.chunk_size: expected integer >= 1 and <= 1048576; got integer 0",
     ]
     assert result.recipe is None
 
@@ -33,10 +33,10 @@ def test_every_schema_problem_is_listed_once():
 def test_failed_keys_fall_back_to_defaults_and_are_not_named_twice():
     # min_chunk_size 0 fails; its default (16) then exceeds chunk_size 8, a rule naming the same key: not repeated.
     result = _validate(**{"loss.chunk_size": 8, "memory.min_chunk_size": 0})
-    assert result.problems == ["recipe key memory.min_chunk_size: expected integer >= 1; got integer 0"]
+    assert result.problems == ["recipe key memory.min_chunk_size: expected integer >= 1 and <= 1048576; got integer 0"]
     # A key that passed is still judged by the rules spanning several keys, and by the machine.
     result = _validate(**{"loss.topk": 0, "memory.min_chunk_size": 512, "optimizer.name": "paged_adamw_8bit"})
-    assert result.problems[0] == "recipe key loss.topk: expected integer >= 1; got integer 0"
+    assert result.problems[0] == "recipe key loss.topk: expected integer >= 1 and <= 4096; got integer 0"
     assert any(p.startswith("recipe key memory.min_chunk_size: 512 is above loss.chunk_size") for p in result.problems)
     assert any(p.startswith("recipe key optimizer.name: paged_adamw_8bit needs a CUDA device") for p in result.problems)
     assert len(result.problems) == 3

@@ -61,9 +61,9 @@ def test_missing_required_key_and_missing_file(tmp_path):
 
 
 @pytest.mark.parametrize("path,value,message", [
-    ("train.cycles", 0, "recipe key train.cycles: expected integer >= 1; got integer 0"),
-    ("train.cycles", "ten", "recipe key train.cycles: expected integer >= 1; got string 'ten'"),
-    ("train.cycles", 3.0, "recipe key train.cycles: expected integer >= 1; got number 3.0"),  # as msgspec: no floats
+    ("train.cycles", 0, "recipe key train.cycles: expected integer >= 1 and <= 100000; got integer 0"),
+    ("train.cycles", "ten", "recipe key train.cycles: expected integer >= 1 and <= 100000; got string 'ten'"),
+    ("train.cycles", 3.0, "recipe key train.cycles: expected integer >= 1 and <= 100000; got number 3.0"),  # as msgspec: no floats
     ("train.gradient_checkpointing", 1, "recipe key train.gradient_checkpointing: expected boolean; got integer 1"),
     ("loss.mode", "full", "recipe key loss.mode: expected one of 'exact', 'sampled_kl', 'topk_tail'; got string 'full'"),
     ("rollout.top_p", 1.5, "recipe key rollout.top_p: expected number > 0 and <= 1; got number 1.5"),
@@ -90,7 +90,7 @@ def test_every_problem_is_found_at_once_and_parse_raises_the_first():
         "recipe key models.teacher.adapter.path: expected string; got integer 3",
         "recipe key models.teacher.adapter.base_id: missing required key; add it (README.md lists the recipe keys)",
         "recipe key train.cyclez: unknown key (README.md lists the recipe keys)",
-        "recipe key loss.chunk_size: expected integer >= 1; got integer 0",
+        "recipe key loss.chunk_size: expected integer >= 1 and <= 1048576; got integer 0",
     ]  # in the order the keys appear in the file
     with pytest.raises(RecipeError) as info:
         parse_recipe(yaml.safe_dump(data, sort_keys=False))
