@@ -7,6 +7,7 @@ edit-test loop (unit tests only), plain `pytest` runs everything.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,16 @@ import pytest
 from support import SMALL, recipe_dict, write_recipe
 
 E2E = Path(__file__).parent / "e2e"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist there is a worker per core: each worker, and each `miniverl` it starts, takes one
+    thread. Two-thread torch processes sharing two cores spin against each other and run 5-10x slower."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
