@@ -8,7 +8,8 @@ A stage module has a `NAME` (a stage id of the layout), and two functions:
 - `outputs(key, recipe)` names what it writes.
 - `run(ctx, inputs)` does the stage's one job and returns its outputs, encoded
   but not written: the driver writes them atomically, in order, and journals
-  their hashes. A stage never touches the run directory.
+  their hashes. A stage never touches the run directory. An output may carry
+  a summary (a few figures) that the journal keeps with the stage's record.
 
 This module is not a stage; stages import it and never each other.
 """
@@ -50,6 +51,9 @@ class StageContext:
 class Output:
     ref: Ref
     data: bytes
+    # Headline figures the journal keeps with the stage's record, so the manifest, the console and the
+    # report still have them after the retention policy removes the file.
+    summary: dict[str, Any] | None = None
 
     @property
     def sha256(self) -> str:
@@ -66,9 +70,9 @@ class Stage(Protocol):
     def run(self, ctx: StageContext, inputs: dict[str, Any]) -> list[Output]: ...
 
 
-def artifact_output(ref: Ref, value: msgspec.Struct) -> Output:
+def artifact_output(ref: Ref, value: msgspec.Struct, summary: msgspec.Struct | None = None) -> Output:
     assert isinstance(value, ref.kind), f"{ref.path} holds a {ref.kind.__name__}, not a {type(value).__name__}"
-    return Output(ref, encode_artifact(value))
+    return Output(ref, encode_artifact(value), None if summary is None else msgspec.to_builtins(summary))
 
 
 def tensor_output(ref: Ref, tensors: dict[str, torch.Tensor]) -> tuple[Output, TensorFile]:

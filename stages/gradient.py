@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from miniverl.engine.core import layout
-from miniverl.engine.core.artifacts import ChunkAttempt, Gradient, Rollout
+from miniverl.engine.core.artifacts import ChunkAttempt, CycleSummary, Gradient, Rollout
 from miniverl.engine.core.errors import ArtifactError, StageFailed
 from miniverl.engine.core.layout import Ref, StageKey
 from miniverl.engine.core.faults import oom_guard
@@ -150,4 +150,4 @@ def run(ctx: StageContext, got: dict) -> list[Output]:
     record = Gradient(cycle, got["checkpoint"].adapter_sha256, tensor_file, result.stats.loss_sum / positions,
                       result.stats.kl_sum / positions, result.stats.positions, result.micro_batches,
                       result.chunk_size, result.attempts, result.norm)
-    return [tensors_out, artifact_output(layout.gradient_ref(cycle), record)]
+    return [tensors_out, artifact_output(layout.gradient_ref(cycle), record, CycleSummary.of(record))]

@@ -1,7 +1,8 @@
 """Manifest: one document that says what ran, on what, with which result.
 
-reads preflight, both verifier reports, every cycle's gradient record and the
-final checkpoint, and the journal's stage records; writes manifest.json.
+reads preflight, both verifier reports and the final checkpoint, and the
+journal's stage records (each cycle's figures are the summary its gradient
+stage left there, which outlives the gradient file); writes manifest.json.
 
 The quality gate is deliberately independent of the loss: a student that
 never calls the tool fails it however well the KL fell (the negative control
@@ -9,6 +10,8 @@ exists to show exactly that).
 """
 
 from __future__ import annotations
+
+from typing import Mapping
 
 import msgspec
 
@@ -18,6 +21,7 @@ from miniverl.engine.core.artifacts import (
 )
 from miniverl.engine.core.layout import Ref, StageKey
 from miniverl.engine.core.recipe import Recipe
+from miniverl.engine.core.rundir import StageRecord
 from miniverl.stages.contract import Output, StageContext, json_output
 
 NAME = layout.MANIFEST
@@ -39,11 +43,17 @@ def _verify_summary(report: VerifyReport) -> VerifySummary:
                          report.policy_adapter_sha256)
 
 
+def cycle_summary(records: Mapping[str, StageRecord], cycle: int) -> CycleSummary:
+    record = records[layout.gradient_ref(cycle).producer.id]
+    assert record.state == "done" and record.summary is not None, f"cycle {cycle}'s gradient left no summary"
+    return msgspec.convert(record.summary, CycleSummary)
+
+
 def inputs(key: StageKey, recipe: Recipe) -> dict[str, Ref]:
     cycles = recipe.train.cycles
-    refs = {"preflight": layout.preflight_ref(), "checkpoint": layout.checkpoint_ref(cycles),
+    # The final checkpoint is a function of every gradient, so a gradient that changes reaches the manifest.
+    return {"preflight": layout.preflight_ref(), "checkpoint": layout.checkpoint_ref(cycles),
             "baseline": layout.verify_ref(layout.BASELINE), "final": layout.verify_ref(layout.FINAL)}
-    return refs | {f"gradient{c}": layout.gradient_ref(c) for c in range(cycles)}
 
 
 def outputs(key: StageKey, recipe: Recipe) -> list[Ref]:
@@ -53,7 +63,7 @@ def outputs(key: StageKey, recipe: Recipe) -> list[Ref]:
 def build(ctx: StageContext, got: dict) -> Manifest:
     recipe, pre = ctx.recipe, got["preflight"]
     baseline, final = got["baseline"], got["final"]
-    grads = [got[f"gradient{c}"] for c in range(recipe.train.cycles)]
+    grads = [cycle_summary(ctx.stage_records, c) for c in range(recipe.train.cycles)]
     return Manifest(
         manifest_version=MANIFEST_VERSION,
         status="completed",
@@ -65,8 +75,7 @@ def build(ctx: StageContext, got: dict) -> Manifest:
         tokenizer=pre.tokenizer,
         adapter=pre.adapter,
         adapter_sha256=got["checkpoint"].adapter_sha256,
-        cycles=[CycleSummary(g.cycle, g.loss, g.kl, g.positions, g.grad_norm, g.chunk_size, g.micro_batches, g.attempts)
-                for g in grads],
+        cycles=grads,
         oom_retries=sum(1 for g in grads for a in g.attempts if not a.ok),
         chunk_sizes_used=sorted({g.chunk_size for g in grads}),
         verify=_verify_summary(final),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from miniverl.engine.core import layout
-from miniverl.engine.core.artifacts import Rollout, Trajectory
+from miniverl.engine.core.artifacts import Rollout, RolloutSummary, Trajectory
 from miniverl.engine.core.layout import Ref, StageKey
 from miniverl.engine.models.host import ModelHost
 from miniverl.engine.core.progress import Reporter
@@ -73,4 +73,4 @@ def outputs(key: StageKey, recipe: Recipe) -> list[Ref]:
 
 def run(ctx: StageContext, got: dict) -> list[Output]:
     rollout = sample(ctx.recipe, ctx.host, ctx.task, got["adapter"], got["checkpoint"].adapter_sha256, ctx.key.cycle, ctx.reporter)
-    return [artifact_output(layout.rollout_ref(ctx.key.cycle), rollout)]
+    return [artifact_output(layout.rollout_ref(ctx.key.cycle), rollout, RolloutSummary.of(rollout))]

@@ -131,6 +131,21 @@ class Rollout(msgspec.Struct, frozen=True):
     generated_tokens: int
 
 
+class RolloutSummary(msgspec.Struct, frozen=True):
+    """A rollout's figures, kept in the journal after the rollout file itself may be pruned."""
+
+    trajectories: int
+    tool_call_rate: float
+    rollout_success: float
+    generated_tokens: int
+
+    @staticmethod
+    def of(rollout: Rollout) -> "RolloutSummary":
+        n = max(len(rollout.trajectories), 1)
+        return RolloutSummary(len(rollout.trajectories), sum(t.tool_called for t in rollout.trajectories) / n,
+                              sum(t.strict_success for t in rollout.trajectories) / n, rollout.generated_tokens)
+
+
 # ---------------------------------------------------------------- teacher score
 class TeacherScore(msgspec.Struct, frozen=True):
     cycle: int
@@ -191,6 +206,10 @@ class CycleSummary(msgspec.Struct, frozen=True):
     chunk_size: int
     micro_batches: int
     attempts: list[ChunkAttempt]
+
+    @staticmethod
+    def of(g: Gradient) -> "CycleSummary":
+        return CycleSummary(g.cycle, g.loss, g.kl, g.positions, g.grad_norm, g.chunk_size, g.micro_batches, g.attempts)
 
 
 class VerifySummary(msgspec.Struct, frozen=True):

@@ -31,5 +31,9 @@ class ArtifactError(MiniverlError, RuntimeError):
     """An artifact failed its schema or content-hash check."""
 
 
+class ArtifactPruned(UserError, RuntimeError):
+    """An artifact the run removed by its retention policy (`checkpoints`, `artifacts`)."""
+
+
 class StageFailed(MiniverlError, RuntimeError):
     """A stage raised; the run stops and can be resumed."""

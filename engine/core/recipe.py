@@ -175,6 +175,19 @@ class ReportSpec(_Strict):
     tensorboard: bool = False  # also write TensorBoard scalars (needs the `tensorboard` package)
 
 
+class CheckpointsSpec(_Strict):
+    """Which policy checkpoints (adapter + optimizer state) stay on disk; the latest always does."""
+
+    keep_last: Annotated[int, msgspec.Meta(ge=1, le=MAX_CYCLES)] = 2
+    keep_every: Annotated[int, msgspec.Meta(ge=0, le=MAX_CYCLES)] = 0  # also every K-th step (0: none)
+
+
+class ArtifactsSpec(_Strict):
+    """Which cycles keep their rollout, teacher scores and gradient once the next checkpoint is durable."""
+
+    keep: Literal["last", "none", "all"] = "last"
+
+
 class Recipe(_Strict, kw_only=True):
     name: str
     seed: NonNegative = 0
@@ -188,6 +201,8 @@ class Recipe(_Strict, kw_only=True):
     task: TaskSpec = msgspec.field(default_factory=TaskSpec)
     verify: VerifySpec = msgspec.field(default_factory=VerifySpec)
     report: ReportSpec = msgspec.field(default_factory=ReportSpec)
+    checkpoints: CheckpointsSpec = msgspec.field(default_factory=CheckpointsSpec)
+    artifacts: ArtifactsSpec = msgspec.field(default_factory=ArtifactsSpec)
 
 
 # ---------------------------------------------------------------- schema errors

@@ -41,7 +41,7 @@ import msgspec
 from miniverl.engine.core import layout
 from miniverl.engine.core.artifacts import Manifest, decode_manifest, read_artifact, read_tensors_file
 from miniverl.engine.core.atomic_io import DiskWriteError, append_line, sha256_bytes, write_bytes_atomic
-from miniverl.engine.core.errors import ArtifactError, RunStateError
+from miniverl.engine.core.errors import ArtifactError, ArtifactPruned, RunStateError
 from miniverl.engine.core.faults import kill_point, tear_point
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -57,6 +57,8 @@ class StageRecord(msgspec.Struct):
     inputs: dict[str, str] = msgspec.field(default_factory=dict)  # relative path -> sha256 when read
     attempts: int = 0
     error: str | None = None
+    pruned: list[str] = msgspec.field(default_factory=list)  # outputs the retention policy removed since
+    summary: dict[str, Any] | None = None  # the stage's headline figures, kept after its files are pruned
 
 
 class Journal(msgspec.Struct):
@@ -97,6 +99,15 @@ def _updates(data: bytes) -> tuple[list[Update], int]:
             break
         at += _FRAME.size + length
     return updates, at
+
+
+def pruned_message(path: str) -> str:
+    """Why an artifact is gone, and which recipe key keeps it in the next run."""
+    if path.startswith("checkpoints/"):
+        keep = "a larger checkpoints.keep_last or checkpoints.keep_every: K keeps more checkpoints"
+    else:
+        keep = "artifacts.keep: all keeps every cycle's rollout, teacher scores and gradient"
+    return f"{path} was removed by the run's retention policy once a later checkpoint was durable; in a next run, {keep}"
 
 
 def check_run_id(run_id: str) -> str:
@@ -236,6 +247,8 @@ class RunDir:
         record = journal.stages.get(ref.producer.id)
         if record is None or record.state != "done" or ref.path not in record.outputs:
             return None
+        if ref.path in record.pruned:
+            raise ArtifactPruned(pruned_message(ref.path))
         path, digest = self.root / ref.path, record.outputs[ref.path]
         if ref.kind == layout.TENSORS:
             return read_tensors_file(path, digest)

@@ -14,8 +14,8 @@ from miniverl.engine.core.artifacts import (
     VerifyReport, decode_artifact, read_tensors,
 )
 from miniverl.engine.core import layout
-from miniverl.engine.core.errors import ArtifactError, MiniverlError
-from miniverl.engine.core.rundir import RunDir
+from miniverl.engine.core.errors import ArtifactError, ArtifactPruned, MiniverlError
+from miniverl.engine.core.rundir import RunDir, pruned_message
 
 KINDS = {k.__name__: k for k in (Preflight, Checkpoint, Rollout, TeacherScore, Gradient, VerifyReport)}
 SPAN_STYLE = {PROVENANCE_PROMPT: "dim", PROVENANCE_MODEL: "bold green", PROVENANCE_TOOL: "cyan"}
@@ -69,7 +69,8 @@ def journal_table(run: RunDir) -> Table:
         table.add_column(column)
     for key, rec in run.read_journal().stages.items():
         peak = f"{rec.peak_memory_bytes / 2**20:.0f}" if rec.peak_memory_bytes else "-"
-        table.add_row(key, rec.state, f"{rec.seconds:.2f}" if rec.seconds else "-", peak, str(rec.attempts))
+        state = f"{rec.state} (files pruned)" if rec.pruned else rec.state
+        table.add_row(key, state, f"{rec.seconds:.2f}" if rec.seconds else "-", peak, str(rec.attempts))
     return table
 
 
@@ -113,4 +114,8 @@ def show(console: Console, artifact, run_root: Path | None, tokenizer, limit: in
 
 
 def artifact_path(run: RunDir, stage: str, cycle: int | None, label: str | None = None) -> Path:
-    return run.root / layout.shown_artifact(stage, cycle, label).path
+    ref = layout.shown_artifact(stage, cycle, label)
+    record = run.read_journal().stages.get(ref.producer.id)
+    if record is not None and ref.path in record.pruned:
+        raise ArtifactPruned(pruned_message(ref.path))
+    return run.root / ref.path

@@ -8,10 +8,12 @@ A run that is not finished yields what it has so far.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+import msgspec
 
 from miniverl.engine.core import layout
-from miniverl.engine.core.artifacts import Manifest, Rollout, Trajectory, VerifyReport
+from miniverl.engine.core.artifacts import CycleSummary, Manifest, Rollout, RolloutSummary, Trajectory, VerifyReport
 from miniverl.engine.core.layout import Ref, stage_order
 from miniverl.engine.core.errors import MiniverlError
 from miniverl.engine.core.recipe import Recipe
@@ -77,8 +79,15 @@ def _read(run: RunDir, journal: Journal, ref: Ref, missing: list[str]) -> Any:
         return None
 
 
-def _rate(values: list[bool]) -> float | None:
-    return sum(values) / len(values) if values else None
+S = TypeVar("S")
+
+
+def _summary(journal: Journal, ref: Ref, kind: type[S]) -> S | None:
+    """The summary the producer of `ref` journaled, once it is done."""
+    record = journal.stages.get(ref.producer.id)
+    if record is None or record.state != "done" or record.summary is None:
+        return None
+    return msgspec.convert(record.summary, kind)
 
 
 def summarize(run: RunDir, recipe: Recipe) -> RunSummary:
@@ -86,20 +95,22 @@ def summarize(run: RunDir, recipe: Recipe) -> RunSummary:
     missing: list[str] = []
     cycles, rollouts = [], {}
     for c in range(recipe.train.cycles):
-        rollout = _read(run, journal, layout.rollout_ref(c), missing)
-        grad = _read(run, journal, layout.gradient_ref(c), missing)
+        # The figures are the summaries the stages left in the journal: they outlive pruned files.
+        record = journal.stages.get(layout.rollout_ref(c).producer.id)
+        rollout = _summary(journal, layout.rollout_ref(c), RolloutSummary)
+        grad = _summary(journal, layout.gradient_ref(c), CycleSummary)
         if rollout is None and grad is None:
             continue
-        if rollout is not None:
-            rollouts[c] = rollout
-        trajectories = rollout.trajectories if rollout is not None else []
-        record = journal.stages.get(layout.rollout_ref(c).producer.id)
+        if record is not None and layout.rollout_ref(c).path not in record.pruned:
+            full = _read(run, journal, layout.rollout_ref(c), missing)
+            if full is not None:
+                rollouts[c] = full
         cycles.append(CycleFigures(
             cycle=c,
             loss=grad.loss if grad else None,
             kl=grad.kl if grad else None,
-            tool_call_rate=_rate([t.tool_called for t in trajectories]),
-            rollout_success=_rate([t.strict_success for t in trajectories]),
+            tool_call_rate=rollout.tool_call_rate if rollout else None,
+            rollout_success=rollout.rollout_success if rollout else None,
             generated_tokens=rollout.generated_tokens if rollout else None,
             rollout_seconds=record.seconds if record is not None and record.state == "done" else None,
             chunk_size=grad.chunk_size if grad else None,

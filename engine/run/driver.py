@@ -22,15 +22,16 @@ from typing import Any
 from miniverl.engine.core import layout
 from miniverl.engine.core.atomic_io import sha256_file, write_bytes_atomic
 from miniverl.engine.core.device import PeakMemory
-from miniverl.engine.core.errors import MiniverlError, StageFailed
+from miniverl.engine.core.errors import ArtifactPruned, MiniverlError, StageFailed
 from miniverl.engine.core.faults import kill_point
 from miniverl.engine.core.layout import Ref, StageKey
 from miniverl.engine.core.progress import Reporter
 from miniverl.engine.core.recipe import Recipe
-from miniverl.engine.core.rundir import RunDir, StageRecord
+from miniverl.engine.core.rundir import RunDir, StageRecord, pruned_message
 from miniverl.engine.models.host import ModelHost
 from miniverl.engine.tasks.base import Task
 from miniverl.engine.run.observer import Observer
+from miniverl.engine.run.retention import Retention
 from miniverl.stages import gradient, manifest, optimizer_step, preflight, rollout, teacher_score, verify
 from miniverl.stages.contract import Output, Stage, StageContext
 
@@ -43,8 +44,10 @@ class Driver:
         self.run, self.recipe, self.reporter, self.host, self.task = run, recipe, reporter, host, task
         self.journal = run.open_journal()
         self.observer = Observer(run, recipe, reporter)
+        self.retention = Retention(run, recipe, self.journal)
 
     def run_all(self) -> None:
+        self.retention.sweep()
         for key in layout.plan(self.recipe.train.cycles):
             if not self.is_done(key):
                 self.execute(key)
@@ -56,7 +59,15 @@ class Driver:
             return False
         for path, digest in record.outputs.items():
             file = self.run.root / path
+            if path in record.pruned:
+                continue  # removed on purpose; no stage still to run reads it
             if not file.is_file() or sha256_file(file) != digest:
+                if self._pruned_inputs(key, record):  # it cannot be remade, and nothing still to run needs it
+                    self.observer.corrupt_output(key, path, dropped=True)
+                    record.pruned.append(path)
+                    self.run.record(self.journal, key.id)
+                    file.unlink(missing_ok=True)
+                    continue
                 self.observer.corrupt_output(key, path)
                 return False
         # Inputs are journal lookups, no file reads: still what the producers last wrote?
@@ -67,6 +78,11 @@ class Driver:
         if record is None or record.state != "done":
             return None
         return record.outputs.get(ref.path)
+
+    def _pruned_inputs(self, key: StageKey, record: StageRecord) -> list[str]:
+        """Inputs this stage read that the retention policy has removed since."""
+        return [ref.path for ref, _ in self._input_digests(key, record)
+                if ref.path in self.journal.stages[ref.producer.id].pruned]
 
     def _input_digests(self, key: StageKey, record: StageRecord) -> list[tuple[Ref, str]]:
         refs = {ref.path: ref for ref in STAGES[key.name].inputs(key, self.recipe).values()}
@@ -88,6 +104,10 @@ class Driver:
     # ---------------------------------------------------------------- running
     def execute(self, key: StageKey) -> None:
         stage = STAGES[key.name]
+        for ref in stage.inputs(key, self.recipe).values():  # refused before the record is touched
+            producer = self.journal.stages.get(ref.producer.id)
+            if producer is not None and ref.path in producer.pruned:
+                raise ArtifactPruned(f"stage {key.id} cannot run: its input {pruned_message(ref.path)}")
         record = self.journal.stages.setdefault(key.id, StageRecord())
         before = dict(record.outputs)
         record.state, record.pid, record.started, record.error = "running", os.getpid(), time.time(), None
@@ -115,12 +135,16 @@ class Driver:
                               f"{self.run.root / layout.ERRORS_LOG}; fix the cause, then "
                               f"`miniverl resume {self.run.root.name}`") from exc
         kill_point(f"{key.id}:before-journal")
-        record.state, record.outputs = "done", written
+        record.state, record.outputs, record.pruned = "done", written, []
+        record.summary = next((out.summary for out in outputs if out.summary is not None), None)
         record.inputs = {refs[name].path: digest for name, digest in digests.items()}
         record.seconds, record.peak_memory_bytes = time.perf_counter() - started, peak.allocated
         invalidated = self._invalidate_readers(before, written) if before and before != written else []
         self.run.record(self.journal, *invalidated, key.id)
         self.observer.stage_done(key, record, peak.reserved, self.read, self.journal.stages)
+        kill_point(f"{key.id}:journaled")
+        if key.name == layout.OPTIMIZER_STEP:
+            self.retention.after_step(key.cycle)
 
     def _context(self, key: StageKey, digests: dict[str, str]) -> StageContext:
         def on_oom_retry(old: int, new: int, error: str | None) -> None:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import msgspec
+
 from miniverl.engine.core import layout
+from miniverl.engine.core.artifacts import CycleSummary, RolloutSummary
 from miniverl.engine.core.layout import Ref, StageKey
 from miniverl.engine.core.progress import Reporter
 from miniverl.engine.core.recipe import Recipe
@@ -30,9 +33,13 @@ class Observer:
     def stage_failed(self, key: StageKey, error: str) -> None:
         self.run.event("stage_failed", stage=key.id, error=error[:500])
 
-    def corrupt_output(self, key: StageKey, path: str) -> None:
-        self.run.event("corrupt_output", stage=key.id, file=path)
-        self.reporter.line(f"[yellow]{path} is missing or corrupt; recomputing {key.id}[/]")
+    def corrupt_output(self, key: StageKey, path: str, dropped: bool = False) -> None:
+        self.run.event("corrupt_output", stage=key.id, file=path, dropped=dropped)
+        if dropped:
+            self.reporter.line(f"[yellow]{path} is missing or corrupt and cannot be remade (its inputs were pruned); "
+                               "no stage still to run reads it, so it is dropped[/]")
+        else:
+            self.reporter.line(f"[yellow]{path} is missing or corrupt; recomputing {key.id}[/]")
 
     def oom_retry(self, key: StageKey, chunk_size: int, next_chunk_size: int, error: str | None) -> None:
         self.run.event("oom_retry", stage=key.id, chunk_size=chunk_size, next_chunk_size=next_chunk_size, error=error)
@@ -56,10 +63,9 @@ class Observer:
                        format_validity=report.format_validity, strict_success=report.strict_success)
 
     def _cycle_done(self, cycle: int, read: Reader, records: dict[str, StageRecord]) -> None:
-        grad, rollout = read(layout.gradient_ref(cycle)), read(layout.rollout_ref(cycle))
-        n = len(rollout.trajectories)
-        tool = sum(t.tool_called for t in rollout.trajectories) / n
-        success = sum(t.strict_success for t in rollout.trajectories) / n
+        grad = msgspec.convert(records[StageKey(layout.GRADIENT, cycle).id].summary, CycleSummary)
+        rollout = msgspec.convert(records[StageKey(layout.ROLLOUT, cycle).id].summary, RolloutSummary)
+        tool, success = rollout.tool_call_rate, rollout.rollout_success
         # The optimizer step is not counted: its seconds are not final until its journal entry is.
         timed = [records[StageKey(name, cycle).id] for name in layout.CYCLE_STAGES[:-1]]
         seconds = sum(r.seconds or 0.0 for r in timed)

@@ -19,10 +19,14 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+# Every file kept, so that each kind can be corrupted; what retention changes is tested below.
+KEEP_ALL = {"artifacts.keep": "all", "checkpoints.keep_every": 1}
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("finished")
-    recipe = write_recipe(tmp, recipe_dict(**SMALL))
+    recipe = write_recipe(tmp, recipe_dict(**SMALL, **KEEP_ALL))
     result = miniverl("run", str(recipe), "--run-id", "ref", "--runs-dir", str(tmp / "runs"))
     assert result.returncode == 0, result.stderr
     return recipe, tmp / "runs" / "ref"
@@ -69,6 +73,39 @@ def test_corrupt_file_is_detected_and_recomputed(finished, tmp_path, relative, c
     assert manifest(tmp_path / "runs", "ref")["adapter_sha256"] == manifest(reference.parent, "ref")["adapter_sha256"]
 
 
+def test_with_retention_a_kept_file_is_recomputed_and_one_that_cannot_be_remade_is_dropped(finished, tmp_path):
+    """Defaults: cycle 1's artifacts and checkpoints 1-2 kept; checkpoint 1 came from cycle 0's pruned gradient."""
+    recipe, reference = finished
+    runs = tmp_path / "runs"
+    plain = write_recipe(tmp_path, recipe_dict(**SMALL))
+    assert miniverl("run", str(plain), "--run-id", "r", "--runs-dir", str(runs)).returncode == 0
+    run = runs / "r"
+    assert not (run / "cycles/000000").exists() and not (run / "checkpoints/000000").exists()
+    kept, spare = run / "cycles/000001/gradient.msgpack", run / "checkpoints/000001/adapter.safetensors"
+    original = _sha(kept)
+    _flip_byte(kept)
+    result = miniverl("resume", "r", "--runs-dir", str(runs))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "recomputing c000001/gradient" in result.stderr and _sha(kept) == original
+    # Without its pruned inputs the spare checkpoint cannot be remade; nothing still to run needs it.
+    _flip_byte(spare)
+    result = miniverl("resume", "r", "--runs-dir", str(runs))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "cannot be remade" in result.stderr and not spare.exists()
+    assert manifest(runs, "r")["adapter_sha256"] == manifest(reference.parent, "ref")["adapter_sha256"]
+    # A removed artifact is named as removed, with the key that keeps it: one line, exit 2, the run untouched.
+    journal = (run / "journal.log").read_bytes()
+    for args, key in ((("inspect", "r", "rollout", "--cycle", "0"), "artifacts.keep: all"),
+                      (("stage", "r", "gradient", "--cycle", "0"), "artifacts.keep: all"),
+                      (("stage", "r", "rollout", "--cycle", "0"), "checkpoints.keep_every")):
+        refused = miniverl(*args, "--runs-dir", str(runs))
+        lines = [line for line in refused.stderr.splitlines() if line.strip()]
+        assert refused.returncode == 2 and len(lines) == 1 and "removed by the run's retention policy" in lines[0], \
+            refused.stderr
+        assert key in lines[0]
+    assert (run / "journal.log").read_bytes() == journal
+
+
 def test_disk_full_stops_cleanly_and_resume_completes(finished, tmp_path):
     recipe, reference = finished
     runs = tmp_path / "runs"
@@ -87,7 +124,7 @@ def test_disk_full_stops_cleanly_and_resume_completes(finished, tmp_path):
 
 def test_second_writer_is_refused_and_a_dead_holders_lock_is_recovered(tmp_path):
     # A run long enough to still hold its lock while the second writers knock.
-    recipe = write_recipe(tmp_path, recipe_dict(**{**SMALL, "train.cycles": 500}))
+    recipe = write_recipe(tmp_path, recipe_dict(**{**SMALL, "train.cycles": 500, **KEEP_ALL}))
     runs = tmp_path / "runs"
     env = {**os.environ, "MINIVERL_FAULT_KILL_AT": ""}
     first = subprocess.Popen([sys.executable, "-m", "miniverl.engine.cli.app", "run", str(recipe), "--run-id", "r",

@@ -11,7 +11,8 @@ from support import ROOT, SMALL, manifest, miniverl, recipe_dict, write_recipe
 # instants between a stage's outputs and its journal entry; and inside the writes
 # of every kind of file (`write:NAME[#K]`: the K-th write of NAME is killed after
 # its new bytes are fsynced to the temporary file, before the rename); and the
-# journal's own writes (a torn record, the snapshot rewrite).
+# journal's own writes (a torn record, the snapshot rewrite); and the retention
+# pass that removes checkpoint 0 and cycle 0 once checkpoint 2 is durable.
 KILL_POINTS = [
     "preflight:start",
     "preflight:wrote:checkpoints/000000/adapter.safetensors",
@@ -25,6 +26,9 @@ KILL_POINTS = [
     "c000000/optimizer_step:computed",
     "c000001/optimizer_step:wrote:checkpoints/000002/adapter.safetensors",
     "c000001/optimizer_step:before-journal",
+    "c000001/optimizer_step:journaled",  # checkpoint 2 durable, checkpoint 0 and cycle 0 not yet pruned
+    "prune:journaled",  # their removal journaled, the files still there
+    "prune:removed:checkpoints/000000/adapter.safetensors",  # inside the removal
     "verify@final:start",
     "manifest:start",
     "manifest:before-journal",

@@ -64,6 +64,7 @@ def test_a_raising_tool_is_a_tool_error_the_model_reads(tmp_path):
     # The protocol teacher as the student: it calls the tool from the first rollout on.
     data = yaml.safe_load(recipe.read_text())
     data["models"]["student"]["id"] = "miniverl-builtin/protocol_teacher"
+    data["artifacts"] = {"keep": "all"}  # cycle 0's rollout is read below
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     runs = tmp_path / "runs"
     result = miniverl("run", str(recipe), "--runs-dir", str(runs), "--run-id", "sevens")
