@@ -140,8 +140,8 @@ def qwen_cycle_bytes() -> dict:
         "rollout (token ids, provenance, log-probs; about 16 B a token)": 16 * positions,
     }
     per_cycle = sum(terms.values())
-    kept_defaults = 2 * (terms["adapter (fp32)"] + terms[next(k for k in terms if k.startswith("optimizer"))]) + \
-        per_cycle - terms["adapter (fp32)"] - terms[next(k for k in terms if k.startswith("optimizer"))]
+    checkpoint = terms["adapter (fp32)"] + terms[next(k for k in terms if k.startswith("optimizer"))]
+    kept_defaults = 2 * checkpoint + (per_cycle - checkpoint)  # keep_last 2, and the last cycle's own files
     return {"lora_parameters": lora, "positions_per_cycle": positions, "terms_bytes": {k: int(v) for k, v in terms.items()},
             "bytes_per_cycle_without_retention": int(per_cycle),
             "bytes_kept_with_defaults_at_any_cycle": int(kept_defaults),

@@ -44,9 +44,9 @@ def _verify_summary(report: VerifyReport) -> VerifySummary:
 
 
 def cycle_summary(records: Mapping[str, StageRecord], cycle: int) -> CycleSummary:
-    record = records[layout.gradient_ref(cycle).producer.id]
-    assert record.state == "done" and record.summary is not None, f"cycle {cycle}'s gradient left no summary"
-    return msgspec.convert(record.summary, CycleSummary)
+    summary = records[layout.gradient_ref(cycle).producer.id].summary_as(CycleSummary)
+    assert summary is not None, f"cycle {cycle}'s gradient left no summary"
+    return summary
 
 
 def inputs(key: StageKey, recipe: Recipe) -> dict[str, Ref]:

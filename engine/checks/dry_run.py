@@ -25,8 +25,7 @@ from miniverl.engine.core.artifacts import Resolution
 from miniverl.engine.core.recipe import Recipe
 from miniverl.engine.models.checks import ROLES, CheckedModels, Refusals, check_models
 from miniverl.engine.models.memory_estimate import (
-    memory_refusal,
-    ModelShape, estimate, free_memory, lora_parameters, model_shape, parameter_counts,
+    ModelShape, estimate, free_memory, impossible_plan, lora_parameters, model_shape, parameter_counts,
 )
 
 __all__ = ["DryRunReport", "dry_run", "render", "to_json"]  # the CLI's whole use of this module
@@ -118,14 +117,16 @@ def _teacher_adapter(recipe: Recipe, checked: CheckedModels) -> TeacherAdapterRe
 
 
 def memory_report(recipe: Recipe, resolved: dict[str, Resolution], student: ModelShape,
-                  teacher: ModelShape) -> MemoryReport:
+                  teacher: ModelShape) -> tuple[MemoryReport, str | None]:
+    """The estimate per stage against the memory free now, and the line refusing a plan that can never fit."""
     device, dtype = resolved["models.device"].value, resolved["dtype"].value
     stages = estimate(recipe, student, teacher, device, dtype, resolved["optimizer.name"].value,
                       resolved["memory.strategy"].value)
     free, source = free_memory(device)
+    refusal = impossible_plan(stages, device)  # the run refuses it too (engine.run.commands.prepare)
     return MemoryReport(device=device, dtype=dtype, free_bytes=free, free_source=source,
                         stages=[StageMemory(**s.as_dict()) for s in stages],
-                        fits_by_estimate=None if free is None else all(s.total <= free for s in stages))
+                        fits_by_estimate=None if free is None else all(s.total <= free for s in stages)), refusal
 
 
 # ---------------------------------------------------------------- the dry run
@@ -150,9 +151,7 @@ def dry_run(recipe_path: Path) -> DryRunReport:
     if student is None or teacher is None:
         report.memory_note = "no memory estimate: a config lacks the dense-transformer sizes it is computed from"
     else:
-        report.memory = memory_report(recipe, resolved, student, teacher)
-        refusal = memory_refusal(recipe, checked.configs, *(resolved[key].value for key in (
-            "models.device", "dtype", "optimizer.name", "memory.strategy")))
-        if refusal is not None:  # the run refuses it too (engine.run.commands.prepare)
+        report.memory, refusal = memory_report(recipe, resolved, student, teacher)
+        if refusal is not None:
             report.problems.append(refusal)
     return report

@@ -33,7 +33,7 @@ import time
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, TypeVar
 
 import filelock
 import msgspec
@@ -44,6 +44,7 @@ from miniverl.engine.core.atomic_io import DiskWriteError, append_line, sha256_b
 from miniverl.engine.core.errors import ArtifactError, ArtifactPruned, RunStateError
 from miniverl.engine.core.faults import kill_point, tear_point
 
+S = TypeVar("S")
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
@@ -60,11 +61,20 @@ class StageRecord(msgspec.Struct):
     pruned: list[str] = msgspec.field(default_factory=list)  # outputs the retention policy removed since
     summary: dict[str, Any] | None = None  # the stage's headline figures, kept after its files are pruned
 
+    def summary_as(self, kind: type[S]) -> S | None:
+        """The summary as the Struct the stage left it as, once the stage is done."""
+        return msgspec.convert(self.summary, kind) if self.state == "done" and self.summary is not None else None
+
 
 class Journal(msgspec.Struct):
     run_id: str
     stages: dict[str, StageRecord] = msgspec.field(default_factory=dict)
     seq: int = 0  # the last log update this journal holds
+
+    def is_pruned(self, ref: layout.Ref) -> bool:
+        """Whether the retention policy removed the artifact `ref` names."""
+        record = self.stages.get(ref.producer.id)
+        return record is not None and ref.path in record.pruned
 
 
 class Update(msgspec.Struct):
@@ -165,7 +175,13 @@ class RunDir:
         """The snapshot with the log's whole updates applied (safe while another process appends)."""
         return self._load()[0]
 
-    def _load(self) -> tuple[Journal, list[Update], int]:
+    def _truncate_log(self, length: int) -> None:
+        with open(self.log_path, "r+b") as handle:
+            handle.truncate(length)
+            os.fsync(handle.fileno())
+
+    def _load(self) -> tuple[Journal, int]:
+        """The journal, and the length of the log's whole frames (what follows is a torn tail)."""
         try:
             journal = msgspec.msgpack.decode(self.journal_path.read_bytes(), type=Journal)
         except FileNotFoundError:
@@ -180,15 +196,13 @@ class RunDir:
             if update.seq > journal.seq:  # not already in the snapshot (a kill before the log was emptied)
                 journal.stages.update(update.stages)
                 journal.seq = update.seq
-        return journal, updates, whole
+        return journal, whole
 
     def open_journal(self) -> Journal:
         """The journal for a writer holding the lock: a torn tail left by a killed writer is cut off first."""
-        journal, _, whole = self._load()
+        journal, whole = self._load()
         if self.log_path.exists() and self.log_path.stat().st_size != whole:
-            with open(self.log_path, "r+b") as handle:
-                handle.truncate(whole)
-                os.fsync(handle.fileno())
+            self._truncate_log(whole)
         self._log_bytes, self._snapshot_bytes = whole, self.journal_path.stat().st_size
         return journal
 
@@ -198,9 +212,7 @@ class RunDir:
         write_bytes_atomic(self.journal_path, snapshot)
         kill_point("journal:snapshot-written")  # the log still holds updates the snapshot has
         if self.log_path.exists():
-            with open(self.log_path, "r+b") as handle:
-                handle.truncate(0)
-                os.fsync(handle.fileno())
+            self._truncate_log(0)
         self._log_bytes, self._snapshot_bytes = 0, len(snapshot)
 
     def record(self, journal: Journal, *stage_ids: str) -> None:
@@ -247,7 +259,7 @@ class RunDir:
         record = journal.stages.get(ref.producer.id)
         if record is None or record.state != "done" or ref.path not in record.outputs:
             return None
-        if ref.path in record.pruned:
+        if journal.is_pruned(ref):
             raise ArtifactPruned(pruned_message(ref.path))
         path, digest = self.root / ref.path, record.outputs[ref.path]
         if ref.kind == layout.TENSORS:

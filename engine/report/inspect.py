@@ -115,7 +115,6 @@ def show(console: Console, artifact, run_root: Path | None, tokenizer, limit: in
 
 def artifact_path(run: RunDir, stage: str, cycle: int | None, label: str | None = None) -> Path:
     ref = layout.shown_artifact(stage, cycle, label)
-    record = run.read_journal().stages.get(ref.producer.id)
-    if record is not None and ref.path in record.pruned:
+    if run.read_journal().is_pruned(ref):
         raise ArtifactPruned(pruned_message(ref.path))
     return run.root / ref.path

@@ -8,9 +8,7 @@ A run that is not finished yields what it has so far.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
-
-import msgspec
+from typing import Any
 
 from miniverl.engine.core import layout
 from miniverl.engine.core.artifacts import CycleSummary, Manifest, Rollout, RolloutSummary, Trajectory, VerifyReport
@@ -79,17 +77,6 @@ def _read(run: RunDir, journal: Journal, ref: Ref, missing: list[str]) -> Any:
         return None
 
 
-S = TypeVar("S")
-
-
-def _summary(journal: Journal, ref: Ref, kind: type[S]) -> S | None:
-    """The summary the producer of `ref` journaled, once it is done."""
-    record = journal.stages.get(ref.producer.id)
-    if record is None or record.state != "done" or record.summary is None:
-        return None
-    return msgspec.convert(record.summary, kind)
-
-
 def summarize(run: RunDir, recipe: Recipe) -> RunSummary:
     journal = run.read_journal()
     missing: list[str] = []
@@ -97,11 +84,12 @@ def summarize(run: RunDir, recipe: Recipe) -> RunSummary:
     for c in range(recipe.train.cycles):
         # The figures are the summaries the stages left in the journal: they outlive pruned files.
         record = journal.stages.get(layout.rollout_ref(c).producer.id)
-        rollout = _summary(journal, layout.rollout_ref(c), RolloutSummary)
-        grad = _summary(journal, layout.gradient_ref(c), CycleSummary)
+        gradient = journal.stages.get(layout.gradient_ref(c).producer.id)
+        rollout = record.summary_as(RolloutSummary) if record is not None else None
+        grad = gradient.summary_as(CycleSummary) if gradient is not None else None
         if rollout is None and grad is None:
             continue
-        if record is not None and layout.rollout_ref(c).path not in record.pruned:
+        if not journal.is_pruned(layout.rollout_ref(c)):
             full = _read(run, journal, layout.rollout_ref(c), missing)
             if full is not None:
                 rollouts[c] = full

@@ -81,8 +81,7 @@ class Driver:
 
     def _pruned_inputs(self, key: StageKey, record: StageRecord) -> list[str]:
         """Inputs this stage read that the retention policy has removed since."""
-        return [ref.path for ref, _ in self._input_digests(key, record)
-                if ref.path in self.journal.stages[ref.producer.id].pruned]
+        return [ref.path for ref, _ in self._input_digests(key, record) if self.journal.is_pruned(ref)]
 
     def _input_digests(self, key: StageKey, record: StageRecord) -> list[tuple[Ref, str]]:
         refs = {ref.path: ref for ref in STAGES[key.name].inputs(key, self.recipe).values()}
@@ -105,8 +104,7 @@ class Driver:
     def execute(self, key: StageKey) -> None:
         stage = STAGES[key.name]
         for ref in stage.inputs(key, self.recipe).values():  # refused before the record is touched
-            producer = self.journal.stages.get(ref.producer.id)
-            if producer is not None and ref.path in producer.pruned:
+            if self.journal.is_pruned(ref):
                 raise ArtifactPruned(f"stage {key.id} cannot run: its input {pruned_message(ref.path)}")
         record = self.journal.stages.setdefault(key.id, StageRecord())
         before = dict(record.outputs)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import msgspec
-
 from miniverl.engine.core import layout
 from miniverl.engine.core.artifacts import CycleSummary, RolloutSummary
 from miniverl.engine.core.layout import Ref, StageKey
@@ -53,7 +51,7 @@ class Observer:
         self.run.event("stage_end", stage=key.id, seconds=round(record.seconds or 0.0, 3),
                        peak_memory_bytes=record.peak_memory_bytes, peak_reserved_bytes=peak_reserved)
         if key.name == layout.OPTIMIZER_STEP:
-            self._cycle_done(key.cycle, read, records)
+            self._cycle_done(key.cycle, records)
 
     def _verified(self, key: StageKey, read: Reader) -> None:
         report = read(layout.verify_ref(key.label))
@@ -62,9 +60,9 @@ class Observer:
         self.run.event("verify", label=key.label, tool_call_rate=report.tool_call_rate,
                        format_validity=report.format_validity, strict_success=report.strict_success)
 
-    def _cycle_done(self, cycle: int, read: Reader, records: dict[str, StageRecord]) -> None:
-        grad = msgspec.convert(records[StageKey(layout.GRADIENT, cycle).id].summary, CycleSummary)
-        rollout = msgspec.convert(records[StageKey(layout.ROLLOUT, cycle).id].summary, RolloutSummary)
+    def _cycle_done(self, cycle: int, records: dict[str, StageRecord]) -> None:
+        grad = records[StageKey(layout.GRADIENT, cycle).id].summary_as(CycleSummary)
+        rollout = records[StageKey(layout.ROLLOUT, cycle).id].summary_as(RolloutSummary)
         tool, success = rollout.tool_call_rate, rollout.rollout_success
         # The optimizer step is not counted: its seconds are not final until its journal entry is.
         timed = [records[StageKey(name, cycle).id] for name in layout.CYCLE_STAGES[:-1]]

@@ -26,6 +26,7 @@ from miniverl.engine.core.faults import kill_point
 from miniverl.engine.core.layout import StageKey
 from miniverl.engine.core.recipe import Recipe
 from miniverl.engine.core.rundir import Journal, RunDir
+from miniverl.stages.contract import checkpoint_refs
 
 CYCLE_ARTIFACT_STAGES = (layout.ROLLOUT, layout.TEACHER_SCORE, layout.GRADIENT)
 
@@ -33,10 +34,6 @@ CYCLE_ARTIFACT_STAGES = (layout.ROLLOUT, layout.TEACHER_SCORE, layout.GRADIENT)
 def checkpoint_kept(recipe: Recipe, step: int, latest: int) -> bool:
     keep = recipe.checkpoints
     return step > latest - keep.keep_last or (keep.keep_every > 0 and step % keep.keep_every == 0)
-
-
-def _checkpoint_paths(step: int) -> set[str]:
-    return {ref.path for ref in (layout.adapter_ref(step), layout.optimizer_ref(step), layout.checkpoint_ref(step))}
 
 
 class Retention:
@@ -81,7 +78,7 @@ class Retention:
                     take(StageKey(name, cycle), None)
         for step in steps:
             if 0 <= step < latest and self._checkpoint_prunable(step, latest):
-                take(layout.checkpoint_producer(step), _checkpoint_paths(step))
+                take(layout.checkpoint_producer(step), {ref.path for ref in checkpoint_refs(step)})
         return found
 
     # ---------------------------------------------------------------- passes
