@@ -45,6 +45,7 @@ class StageContext:
     digests: Mapping[str, str]  # input name -> sha256 of the file read (what the journal recorded)
     stage_records: Mapping[str, StageRecord]  # the journal as it stands (the manifest summarises it)
     on_oom_retry: Callable[[int, int, str | None], None]  # (old chunk, new chunk, error)
+    overrides: tuple[str, ...] = ()  # the command-line overrides the run's recipe.yaml was made with
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ def build(ctx: StageContext, got: dict) -> Manifest:
         quality_gate=quality_gate(recipe, baseline, final),
         stages={key: StageSummary(rec.seconds, rec.peak_memory_bytes, rec.attempts)
                 for key, rec in ctx.stage_records.items() if rec.state == "done"},
+        overrides=list(ctx.overrides),
     )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from miniverl.engine.checks.dry_run_report import (
     Adapters, DryRunReport, MemoryReport, ModelReport, Shape, StageMemory, StudentAdapterReport,
@@ -130,8 +130,8 @@ def memory_report(recipe: Recipe, resolved: dict[str, Resolution], student: Mode
 
 
 # ---------------------------------------------------------------- the dry run
-def dry_run(recipe_path: Path) -> DryRunReport:
-    validation = validate_file(recipe_path)
+def dry_run(recipe_path: Path, overrides: Sequence[str] = ()) -> DryRunReport:
+    validation = validate_file(recipe_path, overrides)
     if validation.problems:  # the same lines `miniverl validate` prints; nothing further can be checked
         return DryRunReport(recipe=str(recipe_path), resolved={}, problems=validation.problems)
     recipe, resolved, dirs = validation.recipe, validation.resolved, validation.model_dirs

@@ -15,7 +15,7 @@ import copy
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from miniverl.engine.core.artifacts import Resolution
 from miniverl.engine.core.device import (
@@ -24,7 +24,7 @@ from miniverl.engine.core.device import (
 from miniverl.engine.core.errors import RecipeError, UserError
 from miniverl.engine.core.recipe import (
     Recipe, consistency_problems, decode_recipe, dotted, load_recipe_data, problem_line, read_recipe_text,
-    recipe_to_builtins, schema_problems,
+    recipe_to_builtins, schema_problems, text_with_overrides,
 )
 from miniverl.engine.core.schema_check import KeyPath
 from miniverl.engine.tasks import registry
@@ -137,9 +137,10 @@ def validate_text(text: str, source: str, base_dir: Path | None = None) -> Valid
     return result
 
 
-def validate_file(path: Path) -> Validation:
+def validate_file(path: Path, overrides: Sequence[str] = ()) -> Validation:
+    """`overrides`: `dotted.key=value` items applied to the file's data first, as `miniverl run` applies them."""
     try:
-        text = read_recipe_text(path)
+        text = text_with_overrides(read_recipe_text(path), overrides, str(path))
     except RecipeError as exc:
         return Validation(str(path), problems=[str(exc)])
     return validate_text(text, str(path))

@@ -29,6 +29,9 @@ def _finish_run(run) -> None:
 
 def run_cmd(
     recipe: Path = typer.Argument(..., help="Recipe YAML file."),
+    overrides: Optional[list[str]] = typer.Argument(
+        None, metavar="[KEY=VALUE]...", show_default=False,
+        help="Recipe keys to change for this run, dotted and YAML-typed: train.cycles=80 loss.chunk_size=32."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="Name of the run (default: recipe name + time)."),
     runs_dir: Optional[Path] = typer.Option(None, "--runs-dir", help=RUNS_DIR_HELP),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check models, tokenizers, adapters and memory; train nothing."),
@@ -40,7 +43,7 @@ def run_cmd(
         from miniverl.engine.run.commands import quiet_libraries
 
         quiet_libraries()
-        report = checks.dry_run(recipe)
+        report = checks.dry_run(recipe, overrides or ())
         if as_json:
             out.print_json(checks.to_json(report))
         else:
@@ -50,7 +53,7 @@ def run_cmd(
     from miniverl.engine.core.progress import Reporter
     from miniverl.engine.run.commands import start_run
 
-    _finish_run(start_run(recipe, run_id, runs_dir_or_default(runs_dir), Reporter()))
+    _finish_run(start_run(recipe, run_id, runs_dir_or_default(runs_dir), Reporter(), overrides or ()))
 
 
 def resume_cmd(

@@ -253,6 +253,7 @@ class Manifest(msgspec.Struct, frozen=True):
     verify_baseline: VerifySummary
     quality_gate: QualityGate
     stages: dict[str, StageSummary]
+    overrides: list[str] = msgspec.field(default_factory=list)  # command-line `key=value` items the recipe got
 
 
 def decode_manifest(data: bytes) -> Manifest:

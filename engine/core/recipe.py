@@ -9,10 +9,11 @@ msgspec decodes it (engine.core.schema_check).
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Sequence
 
 import msgspec
 import yaml
@@ -304,6 +305,43 @@ def parse_recipe(text: str, source: str = "recipe") -> Recipe:
     return recipe
 
 
+def _override_value(item: str) -> tuple[list[str], Any]:
+    """`train.cycles=80` -> (['train', 'cycles'], 80): the value typed as YAML types it."""
+    key, sep, raw = item.partition("=")
+    keys = key.strip().split(".")
+    if not sep or not all(keys):
+        raise RecipeError(f"override {item!r}: expected KEY=VALUE with a dotted recipe key, e.g. train.cycles=80")
+    try:
+        value = yaml.load(raw, Loader=_RecipeLoader)  # noqa: S506 - a SafeLoader subclass: no Python objects
+    except yaml.YAMLError:
+        raise RecipeError(f"override {key}: {raw!r} is not a YAML value; quote strings that hold ':' or '#'") from None
+    return keys, value
+
+
+def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
+    """A copy of the recipe data with each `dotted.key=value` set (missing mappings are created)."""
+    data = copy.deepcopy(data)
+    for item in overrides:
+        keys, value = _override_value(item)
+        node = data
+        for depth, key in enumerate(keys[:-1]):
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise RecipeError(f"override {'.'.join(keys)}: recipe key {'.'.join(keys[:depth + 1])} is not a "
+                                  f"mapping, so it has no key {keys[depth + 1]}")
+        node[keys[-1]] = value
+    return data
+
+
+def text_with_overrides(text: str, overrides: Sequence[str], source: str = "recipe") -> str:
+    """The recipe a run keeps: the text verbatim, or with overrides, the data they give written out as YAML."""
+    if not overrides:
+        return text
+    data = apply_overrides(load_recipe_data(text, source), overrides)
+    header = f"# {source} with command-line overrides: {' '.join(overrides)}\n"
+    return header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+
+
 def read_recipe_text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
@@ -313,9 +351,9 @@ def read_recipe_text(path: Path) -> str:
         raise RecipeError(f"recipe file {path} cannot be read: {exc}") from None
 
 
-def load_recipe(path: Path) -> tuple[Recipe, str]:
-    """The decoded recipe and its exact text (kept verbatim in the run)."""
-    text = read_recipe_text(path)
+def load_recipe(path: Path, overrides: Sequence[str] = ()) -> tuple[Recipe, str]:
+    """The decoded recipe and its text (kept in the run: verbatim, or with the overrides applied)."""
+    text = text_with_overrides(read_recipe_text(path), overrides, str(path))
     return parse_recipe(text, source=str(path)), text
 
 

@@ -70,6 +70,7 @@ class Journal(msgspec.Struct):
     run_id: str
     stages: dict[str, StageRecord] = msgspec.field(default_factory=dict)
     seq: int = 0  # the last log update this journal holds
+    overrides: list[str] = msgspec.field(default_factory=list)  # `key=value` items `run` applied to the recipe file
 
     def is_pruned(self, ref: layout.Ref) -> bool:
         """Whether the retention policy removed the artifact `ref` names."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
+from typing import Sequence
 
 from miniverl.engine.core import layout
 from miniverl.engine.core.atomic_io import write_bytes_atomic
@@ -83,8 +84,10 @@ def _recorded_task_files(run: RunDir) -> dict[str, str]:
         return {}
 
 
-def start_run(recipe_path: Path, run_id: str | None, runs_dir: Path, reporter: Reporter) -> RunDir:
-    recipe, text = load_recipe(recipe_path)
+def start_run(recipe_path: Path, run_id: str | None, runs_dir: Path, reporter: Reporter,
+              overrides: Sequence[str] = ()) -> RunDir:
+    """`overrides`: `dotted.key=value` items; the run's recipe.yaml is the file with them applied."""
+    recipe, text = load_recipe(recipe_path, overrides)
     run_id = check_run_id(run_id or f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     run = RunDir.locate(runs_dir, run_id)
     if run.root.exists() and any(run.root.iterdir()):
@@ -100,7 +103,7 @@ def start_run(recipe_path: Path, run_id: str | None, runs_dir: Path, reporter: R
             write_bytes_atomic(run.root / layout.RECIPE_FILE, text.encode())
             copy_task_files(run, recipe, files)
             task = run_task(run, recipe)
-            run.write_journal(Journal(run_id=run_id))
+            run.write_journal(Journal(run_id=run_id, overrides=list(overrides)))
             run.event("run_created", recipe=str(recipe_path))
             reporter.line(f"run {run_id} in {run.root}")
             _drive(run, recipe, host, task, reporter)

@@ -149,7 +149,7 @@ class Driver:
             self.observer.oom_retry(key, old, new, error)
 
         return StageContext(key, self.recipe, self.host, self.task, self.reporter, self.run.root.name, digests,
-                            self.journal.stages, on_oom_retry)
+                            self.journal.stages, on_oom_retry, tuple(self.journal.overrides))
 
     def _write(self, key: StageKey, stage: Stage, outputs: list[Output]) -> dict[str, str]:
         """Write in the order the stage gave (records after the files they name); return path -> sha256."""

@@ -83,6 +83,18 @@ def test_values_that_would_hang_or_exhaust_the_machine_are_refused_at_once(tmp_p
     _assert_user_error(result, needle, runs)
 
 
+@pytest.mark.parametrize("item,needle", [
+    ("train.cyclez=3", "recipe key train.cyclez: unknown key"),
+    ("loss.chunk_size=big", "recipe key loss.chunk_size: expected integer"),
+    ("train.cycles=1000000000", "recipe key train.cycles: expected integer >= 1 and <= 100000"),
+    ("train.cycles", "override 'train.cycles': expected KEY=VALUE"),
+])
+def test_a_bad_command_line_override_exits_2_naming_the_key(tmp_path, item, needle):
+    recipe = write_recipe(tmp_path, recipe_dict(**SMALL))
+    runs = tmp_path / "runs"
+    _assert_user_error(miniverl("run", str(recipe), item, "--runs-dir", str(runs)), needle, runs)
+
+
 def test_missing_recipe_file(tmp_path):
     _assert_user_error(miniverl("run", str(tmp_path / "absent.yaml"), "--runs-dir", str(tmp_path / "runs")),
                        "does not exist", tmp_path / "runs")

@@ -23,19 +23,21 @@ import torch
 
 from support import ROOT, SMALL, manifest, miniverl, recipe_dict, write_recipe
 from miniverl.engine.report.benchmark_schema import problems as schema_problems
+from miniverl.engine.core.recipe import parse_recipe, recipe_to_builtins
 from miniverl.engine.core.rundir import Journal, RunDir
 
 WIDE = {"COLUMNS": "200"}  # rich tables wrap at 80 columns when stdout is not a terminal
 SMALL_TOKENS = recipe_dict()["rollout"]["max_total_tokens"]
+OVERRIDES = ("report.tensorboard=true", "verify.min_tool_call_rate=0.25")
 
 
 @pytest.fixture(scope="module")
 def done_run(tmp_path_factory):
-    """One finished SMALL run (asking for TensorBoard scalars, which `report` honours)."""
+    """One finished SMALL run, given two recipe keys as command-line overrides (one asks for TensorBoard scalars)."""
     tmp = tmp_path_factory.mktemp("commands")
-    recipe = write_recipe(tmp, recipe_dict(**SMALL, **{"report.tensorboard": True}))
+    recipe = write_recipe(tmp, recipe_dict(**SMALL))
     runs = tmp / "runs"
-    result = miniverl("run", str(recipe), "--run-id", "small", "--runs-dir", str(runs))
+    result = miniverl("run", str(recipe), *OVERRIDES, "--run-id", "small", "--runs-dir", str(runs))
     assert result.returncode == 0, result.stderr[-3000:]
     return runs, recipe, manifest(runs, "small")
 
@@ -44,6 +46,16 @@ def _user_error_lines(result) -> list[str]:
     assert result.returncode == 2, (result.returncode, result.stdout[-2000:], result.stderr[-2000:])
     assert "Traceback" not in result.stderr
     return [line for line in result.stderr.splitlines() if line.strip()]
+
+
+def test_overrides_change_exactly_their_keys_in_the_saved_recipe_and_the_manifest_lists_them(done_run):
+    runs, recipe, document = done_run
+    saved = parse_recipe((runs / "small" / "recipe.yaml").read_text())
+    expected = recipe_to_builtins(parse_recipe(recipe.read_text()))
+    expected["report"]["tensorboard"], expected["verify"]["min_tool_call_rate"] = True, 0.25
+    assert recipe_to_builtins(saved) == expected
+    assert document["recipe"] == expected and document["overrides"] == list(OVERRIDES)
+    assert document["quality_gate"]["min_tool_call_rate"] == 0.25
 
 
 # ---------------------------------------------------------------- help

@@ -6,7 +6,9 @@ import pytest
 import yaml
 
 from miniverl.engine.core.errors import RecipeError
-from miniverl.engine.core.recipe import Recipe, load_recipe, parse_recipe, problem_line, schema_problems
+from miniverl.engine.core.recipe import (
+    Recipe, load_recipe, parse_recipe, problem_line, schema_problems, text_with_overrides,
+)
 
 from support import ROOT
 BASE = yaml.safe_load((ROOT / "recipes" / "tiny_calc.yaml").read_text())
@@ -106,3 +108,53 @@ def test_the_schema_is_the_recipe_structs():
         data = yaml.safe_load(path.read_text())
         assert schema_problems(data) == [], path
         msgspec.convert(data, Recipe, strict=True)
+
+
+# ---------------------------------------------------------------- command-line overrides
+def _overridden(*items: str) -> dict:
+    text = text_with_overrides((ROOT / "recipes" / "tiny_calc.yaml").read_text(), items, "tiny_calc.yaml")
+    return msgspec.to_builtins(parse_recipe(text))
+
+
+def _differences(a, b, prefix=""):
+    if isinstance(a, dict) and isinstance(b, dict):
+        return sorted(d for key in a.keys() | b.keys() for d in _differences(a.get(key), b.get(key), f"{prefix}{key}."))
+    return [prefix.rstrip(".")] if a != b else []
+
+
+def test_an_override_changes_exactly_its_key_with_the_yaml_type():
+    plain = _overridden()
+    changed = _overridden("train.cycles=80", "loss.chunk_size=32", "optimizer.lr=3e-4",
+                          "models.student.lora.target_modules=[q_proj, v_proj]", "report.tensorboard=true")
+    assert _differences(plain, changed) == ["loss.chunk_size", "models.student.lora.target_modules", "optimizer.lr",
+                                            "report.tensorboard", "train.cycles"]
+    assert (changed["train"]["cycles"], changed["loss"]["chunk_size"], changed["optimizer"]["lr"]) == (80, 32, 3e-4)
+    assert changed["models"]["student"]["lora"]["target_modules"] == ["q_proj", "v_proj"]
+    assert changed["report"]["tensorboard"] is True
+    assert _overridden("train.cycles=5", "train.cycles=7")["train"]["cycles"] == 7  # the last one wins
+    # A section the file leaves to its defaults is created.
+    assert _overridden("checkpoints.keep_last=5")["checkpoints"]["keep_last"] == 5
+
+
+def test_without_overrides_the_text_is_kept_verbatim():
+    text = (ROOT / "recipes" / "tiny_calc.yaml").read_text()
+    assert text_with_overrides(text, ()) == text
+    written = text_with_overrides(text, ["train.cycles=3"], "tiny_calc.yaml")
+    assert written.startswith("# tiny_calc.yaml with command-line overrides: train.cycles=3\n")
+
+
+@pytest.mark.parametrize("item,needle", [
+    ("train.cyclez=3", "recipe key train.cyclez: unknown key"),
+    ("train.cycles=abc", "recipe key train.cycles: expected integer"),
+    ("train.cycles=0", "recipe key train.cycles: expected integer >= 1"),
+    ("loss.mode=fancy", "recipe key loss.mode:"),
+    ("seed.x=1", "override seed.x: recipe key seed is not a mapping"),
+    ("train.cycles", "override 'train.cycles': expected KEY=VALUE"),
+    ("=3", "override '=3': expected KEY=VALUE"),
+    ("train..cycles=3", "expected KEY=VALUE"),
+    ("task.name=[", "override task.name: '[' is not a YAML value"),
+])
+def test_a_bad_override_is_one_line_naming_the_dotted_key(item, needle):
+    with pytest.raises(RecipeError) as caught:
+        _overridden(item)
+    assert needle in str(caught.value) and "\n" not in str(caught.value)
