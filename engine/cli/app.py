@@ -15,7 +15,7 @@ import sys
 
 import typer
 
-from miniverl.engine.cli import benchmark, doctor, inspection, report, run, runs, validate
+from miniverl.engine.cli import benchmark, doctor, export, inspection, report, run, runs, validate
 from miniverl.engine.cli.common import err
 from miniverl.engine.core.errors import MiniverlError
 
@@ -31,6 +31,8 @@ app.command("inspect")(inspection.inspect_cmd)
 app.command("doctor")(doctor.doctor_cmd)
 app.command("validate")(validate.validate_cmd)
 app.command("runs")(runs.runs_cmd)
+app.command("export-adapter")(export.export_adapter_cmd)
+app.command("eval")(export.eval_cmd)
 app.command("report")(report.report_cmd)
 app.command("export-benchmark")(benchmark.export_benchmark_cmd)
 app.command("validate-benchmark")(benchmark.validate_benchmark_cmd)

@@ -1,5 +1,7 @@
 """Crash-safe file writes: temp file in the same directory, fsync, rename, fsync dir.
 
+Whole directories (an exported adapter) are filled under a temporary name and renamed the same way.
+
 A crash at any instant leaves either the old file or the new one. Disk-full
 and other OS errors surface as `DiskWriteError` naming the path, after the
 temporary file is removed, so a full disk never leaves half a file behind.
@@ -10,7 +12,10 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from miniverl.engine.core.errors import MiniverlError
 from miniverl.engine.core.faults import disk_fault, kill_point
@@ -69,3 +74,70 @@ def append_line(path: Path, line: str) -> None:
             os.fsync(handle.fileno())
     except OSError as exc:
         raise DiskWriteError(exc.errno or 0, f"could not append to {path}: {exc.strerror or exc}") from exc
+
+
+# ---------------------------------------------------------------- whole directories
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sync_tree(root: Path) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(Path(folder) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(folder))
+
+
+@contextmanager
+def directory_atomically(target: Path, replace: bool, point: str) -> Iterator[Path]:
+    """A temporary sibling folder to fill; once the block ends, it is synced and renamed to `target` whole.
+
+    A kill at any instant leaves no `target` (or the old one) or the complete new one: the
+    folder is filled as `.NAME.partial-PID` and renamed; with `replace`, the old `target` is first
+    renamed to `.NAME.replaced-PID`. The next call for the same target removes what dead
+    processes left. An error in the block removes the partial folder and any parents this
+    call created. Kill points: `POINT:filled`, `POINT:old-moved`, `POINT:renamed`.
+    """
+    parent = target.parent
+    created = [p for p in (parent, *parent.parents) if not p.exists()]
+    parent.mkdir(parents=True, exist_ok=True)
+    for leftover in [*parent.glob(f".{target.name}.partial-*"), *parent.glob(f".{target.name}.replaced-*")]:
+        pid = leftover.name.rpartition("-")[2]
+        if not pid.isdigit() or not _alive(int(pid)):
+            shutil.rmtree(leftover, ignore_errors=True)
+    partial = parent / f".{target.name}.partial-{os.getpid()}"
+    old = parent / f".{target.name}.replaced-{os.getpid()}"
+    try:
+        partial.mkdir()
+        yield partial
+        _sync_tree(partial)
+        kill_point(f"{point}:filled")
+        if target.exists():
+            if not replace:
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(target))
+            os.replace(target, old)
+            kill_point(f"{point}:old-moved")
+        os.replace(partial, target)
+        fsync_dir(parent)
+        kill_point(f"{point}:renamed")
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        if old.exists() and not target.exists():
+            os.replace(old, target)  # the old folder back where it was
+        for folder in created:  # innermost first; stops at the first one that is not empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+    shutil.rmtree(old, ignore_errors=True)

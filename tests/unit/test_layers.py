@@ -1,6 +1,6 @@
 """The layer contract: which part of the tree may import which, and no import cycles.
 
-    cli -> report | checks -> run -> stages | tiny -> rollout -> distill | models | tasks -> core
+    cli -> report | checks | export -> run -> stages | tiny -> rollout -> distill | models | tasks -> core
 
 A module may import its own package and any package of a lower layer; packages
 that share a layer are independent of each other. Every import counts, also
@@ -16,7 +16,7 @@ from support import ROOT
 
 LAYERS: list[tuple[str, ...]] = [
     ("cli",),
-    ("report", "checks"),
+    ("report", "checks", "export"),
     ("run",),
     ("stages", "tiny"),
     ("rollout",),

@@ -20,8 +20,8 @@ def test_every_registered_command_is_listed_in_help_with_its_help_text():
     result = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     names = [command.name for command in app.registered_commands]
-    assert names == ["run", "train", "resume", "stage", "inspect", "doctor", "validate", "runs", "report",
-                     "export-benchmark", "validate-benchmark"]
+    assert names == ["run", "train", "resume", "stage", "inspect", "doctor", "validate", "runs", "export-adapter",
+                     "eval", "report", "export-benchmark", "validate-benchmark"]
     # The commands panel: one row per command, `│ name   help text   │`.
     panel = result.output.split("Commands")[1]
     rows = dict(line.strip("│ ").split(None, 1) for line in panel.splitlines() if line.startswith("│"))

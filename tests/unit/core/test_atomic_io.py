@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-from miniverl.engine.core.atomic_io import DiskWriteError, append_line, sha256_bytes, sha256_file, write_bytes_atomic
+from miniverl.engine.core.atomic_io import (
+    DiskWriteError, append_line, directory_atomically, sha256_bytes, sha256_file, write_bytes_atomic,
+)
 
 
 def test_write_replaces_whole_and_leaves_no_temporary(tmp_path) -> None:
@@ -45,3 +47,45 @@ def test_append_line_adds_exactly_one_line(tmp_path) -> None:
     append_line(path, "a\n")
     append_line(path, "b")
     assert path.read_text() == "a\nb\n"
+
+
+# ---------------------------------------------------------------- whole directories
+def test_a_directory_appears_whole_and_an_error_leaves_nothing(tmp_path):
+    target = tmp_path / "new" / "deeper" / "out"
+    with pytest.raises(RuntimeError):
+        with directory_atomically(target, replace=False, point="t") as folder:
+            (folder / "a").write_text("half")
+            raise RuntimeError("the block failed")
+    assert list(tmp_path.iterdir()) == []  # no partial folder, and the parents it made are gone too
+    with directory_atomically(target, replace=False, point="t") as folder:
+        (folder / "a").write_text("whole")
+        assert not target.exists()
+    assert (target / "a").read_text() == "whole" and sorted(p.name for p in target.parent.iterdir()) == ["out"]
+
+
+def test_replacing_keeps_the_old_directory_until_the_new_one_is_whole(tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "old").write_text("old")
+    with pytest.raises(FileExistsError):
+        with directory_atomically(target, replace=False, point="t") as folder:
+            (folder / "new").write_text("new")
+    with pytest.raises(RuntimeError):
+        with directory_atomically(target, replace=True, point="t") as folder:
+            raise RuntimeError("failed before the rename")
+    assert [p.name for p in target.iterdir()] == ["old"]
+    with directory_atomically(target, replace=True, point="t") as folder:
+        (folder / "new").write_text("new")
+    assert [p.name for p in target.iterdir()] == ["new"] and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_what_a_dead_process_left_is_removed_and_a_live_ones_is_kept(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".out.partial-{int(dead.stdout)}"
+    replaced = tmp_path / f".out.replaced-{int(dead.stdout)}"
+    live = tmp_path / f".out.partial-{os.getppid()}"
+    for folder in (stale, replaced, live):
+        folder.mkdir()
+    with directory_atomically(tmp_path / "out", replace=False, point="t") as folder:
+        (folder / "a").write_text("a")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", live.name])
