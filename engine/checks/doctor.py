@@ -40,7 +40,8 @@ OPTIONAL = (
     ("peft", "LoRA adapters (train extra)", 'pip install "miniverl[train]"'),
     ("tokenizers", "fast tokenizers (train extra)", 'pip install "miniverl[train]"'),
     ("bitsandbytes", "NF4 student and paged 8-bit AdamW on CUDA (cuda extra)", 'pip install "miniverl[cuda]"'),
-    ("tensorboard", "TensorBoard scalars from `miniverl report` (optional)", "pip install tensorboard"),
+    ("tensorboard", "TensorBoard scalars (report.tensorboard, optional)", "pip install tensorboard"),
+    ("wandb", "Weights & Biases logging (report.wandb, optional)", "pip install wandb"),
 )
 
 

@@ -20,6 +20,7 @@ from miniverl.engine.checks.dry_run_report import (
     TeacherAdapterReport, TokenizerReport, render, to_json,
 )
 from miniverl.engine.checks.validate import validate_file
+from miniverl.engine.run.metrics import missing_package
 from miniverl.engine.core.atomic_io import sha256_file
 from miniverl.engine.core.artifacts import Resolution
 from miniverl.engine.core.recipe import Recipe
@@ -137,6 +138,9 @@ def dry_run(recipe_path: Path, overrides: Sequence[str] = ()) -> DryRunReport:
     recipe, resolved, dirs = validation.recipe, validation.resolved, validation.model_dirs
     refusals = Refusals(collect=True)
     checked = check_models(recipe, dirs, refusals)
+    missing = missing_package(recipe)  # a sink whose package is absent: `run` refuses it too
+    if missing is not None:
+        refusals.messages.append(missing)
     report = DryRunReport(
         recipe=str(recipe_path),
         resolved=resolved,

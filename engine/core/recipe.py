@@ -170,10 +170,19 @@ class VerifySpec(_Strict):
     min_tool_call_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
 
 
-class ReportSpec(_Strict):
-    """What `miniverl report` writes besides its HTML page (nothing here changes training)."""
+class WandbSpec(_Strict):
+    """Weights & Biases logging of the per-cycle scalars (needs the `wandb` package)."""
 
-    tensorboard: bool = False  # also write TensorBoard scalars (needs the `tensorboard` package)
+    project: str
+    entity: str | None = None
+    mode: Literal["online", "offline"] | None = None  # None: wandb's own setting (WANDB_MODE, or online)
+
+
+class ReportSpec(_Strict):
+    """Where a run's figures go besides metrics.jsonl and `miniverl report`'s page (nothing here changes training)."""
+
+    tensorboard: bool = False  # TensorBoard scalars as each cycle ends (needs the `tensorboard` package)
+    wandb: WandbSpec | None = None
 
 
 class CheckpointsSpec(_Strict):

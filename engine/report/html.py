@@ -148,23 +148,23 @@ def render(summary: RunSummary, tokenizer, per_cycle: int = 2) -> str:
 
 
 def write_tensorboard(summary: RunSummary, directory: Path) -> str:
-    """TensorBoard scalars beside the page, when the recipe asks and the package is there."""
+    """The run's TensorBoard scalars, the points the run wrote live included once (the sink reads them back)."""
+    from miniverl.engine.run.metrics import TensorBoardSink, cycle_metrics, missing_package, scalars, verify_scalars
+
+    missing = missing_package(summary.recipe)
+    if missing is not None:
+        return missing
+    journal = summary.run.read_journal()
+    sink = TensorBoardSink(directory)
     try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return "report.tensorboard is set but the tensorboard package is not installed: pip install tensorboard"
-    writer = SummaryWriter(log_dir=str(directory))
-    for c in summary.cycles:
-        for tag, value in (("train/loss", c.loss), ("train/kl", c.kl), ("rollout/tool_call_rate", c.tool_call_rate),
-                           ("rollout/strict_success", c.rollout_success), ("rollout/tokens_per_second", c.tokens_per_second)):
-            if value is not None:
-                writer.add_scalar(tag, value, c.cycle)
-    for label in layout.VERIFY_LABELS:
-        step = layout.verified_step(label, summary.recipe.train.cycles)
-        if label in summary.verify:
-            writer.add_scalar("verify/strict_success", summary.verify[label].strict_success, step)
-            writer.add_scalar("verify/tool_call_rate", summary.verify[label].tool_call_rate, step)
-    writer.close()
+        for c in summary.cycles:
+            m = cycle_metrics(journal.stages, c.cycle)
+            if m is not None:
+                sink.write(scalars(m), c.cycle + 1)
+        for label, report in summary.verify.items():
+            sink.write(verify_scalars(report), layout.verified_step(label, summary.recipe.train.cycles))
+    finally:
+        sink.close()
     return f"TensorBoard scalars in {directory}"
 
 

@@ -14,6 +14,7 @@ from miniverl.engine.core.errors import ArtifactError, RecipeError, RunStateErro
 from miniverl.engine.models.host import ModelHost
 from miniverl.engine.models.memory_estimate import memory_refusal
 from miniverl.engine.run.driver import Driver
+from miniverl.engine.run.metrics import missing_package
 from miniverl.engine.core.progress import Reporter
 from miniverl.engine.core.recipe import Recipe, load_recipe, parse_recipe
 from miniverl.engine.core.rundir import Journal, RunDir, check_run_id
@@ -52,6 +53,9 @@ def prepare(recipe: Recipe) -> ModelHost:
                              resolved["optimizer.name"].value, resolved["memory.strategy"].value)
     if refusal is not None:
         raise RecipeError(refusal)
+    missing = missing_package(recipe)
+    if missing is not None:
+        raise RecipeError(missing)
     return host
 
 

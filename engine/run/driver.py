@@ -30,6 +30,7 @@ from miniverl.engine.core.recipe import Recipe
 from miniverl.engine.core.rundir import RunDir, StageRecord, pruned_message
 from miniverl.engine.models.host import ModelHost
 from miniverl.engine.tasks.base import Task
+from miniverl.engine.run.metrics import LiveMetrics
 from miniverl.engine.run.observer import Observer
 from miniverl.engine.run.retention import Retention
 from miniverl.stages import gradient, manifest, optimizer_step, preflight, rollout, teacher_score, verify
@@ -45,12 +46,27 @@ class Driver:
         self.journal = run.open_journal()
         self.observer = Observer(run, recipe, reporter)
         self.retention = Retention(run, recipe, self.journal)
+        self.metrics = LiveMetrics(run, recipe)
 
     def run_all(self) -> None:
         self.retention.sweep()
-        for key in layout.plan(self.recipe.train.cycles):
-            if not self.is_done(key):
-                self.execute(key)
+        try:
+            self._catch_up_metrics()  # cycles a stopped process finished but did not log
+            for key in layout.plan(self.recipe.train.cycles):
+                if not self.is_done(key):
+                    self.execute(key)
+                    self._catch_up_metrics()
+        finally:
+            self.metrics.close()
+
+    def _catch_up_metrics(self) -> None:
+        def verify_report(label: str) -> Any:
+            try:
+                return self.read(layout.verify_ref(label))
+            except MiniverlError:  # corrupt or missing: the plan remakes it, and the point goes out then
+                return None
+
+        self.metrics.catch_up(self.journal.stages, verify_report)
 
     # ---------------------------------------------------------------- state
     def is_done(self, key: StageKey) -> bool:

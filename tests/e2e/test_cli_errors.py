@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -93,6 +95,24 @@ def test_a_bad_command_line_override_exits_2_naming_the_key(tmp_path, item, need
     recipe = write_recipe(tmp_path, recipe_dict(**SMALL))
     runs = tmp_path / "runs"
     _assert_user_error(miniverl("run", str(recipe), item, "--runs-dir", str(runs)), needle, runs)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ({"report.wandb": {"project": "p", "mode": "offline"}}, "recipe key report.wandb: the wandb package is not "
+                                                            "installed; pip install wandb"),
+    ({"report.tensorboard": True}, "recipe key report.tensorboard: the tensorboard package is not installed; "
+                                   "pip install tensorboard"),
+])
+def test_a_metrics_sink_without_its_package_is_refused_at_the_start(tmp_path, override, needle):
+    """The package is made unimportable in the real command's process (sys.modules[name] = None)."""
+    recipe = write_recipe(tmp_path, recipe_dict(**{**SMALL, **override}))
+    runs = tmp_path / "runs"
+    hide = "wandb" if "report.wandb" in override else "tensorboard"
+    program = (f"import sys; sys.modules[{hide!r}] = None; sys.argv[0] = 'miniverl'; "
+               "from miniverl.engine.cli.app import main; main()")
+    for args in (["run", str(recipe), "--runs-dir", str(runs)], ["run", str(recipe), "--dry-run"]):
+        result = subprocess.run([sys.executable, "-c", program, *args], capture_output=True, text=True, timeout=300)
+        _assert_user_error(result, needle, runs)
 
 
 def test_missing_recipe_file(tmp_path):
