@@ -65,6 +65,8 @@ def evaluate_policy(target: str, runs_dir: Path, adapter: Path | None, base: boo
                     step: int | None, reporter: Reporter) -> Evaluation:
     if adapter is not None and base:
         raise UserError("--adapter and --base exclude each other: evaluate one policy at a time")
+    if step is not None and (adapter is not None or base):
+        raise UserError("--step picks a checkpoint of a run; it does not go with --adapter or --base")
     recipe, task, run = _open(target, runs_dir)
     try:
         if run is None and adapter is None and not base:

@@ -198,7 +198,7 @@ def _leftovers(folder: Path) -> list[str]:
 
 @pytest.mark.parametrize("point,force", [
     ("export:adapter-saved", False), ("export:merged-saved", False), ("export:card-written", False),
-    ("export:filled", False), ("export:renamed", False), ("export:old-moved", True), ("export:filled", True),
+    ("export:filled", False), ("export:renamed", False), ("export:old-moved", True),
 ])
 def test_a_kill_inside_export_leaves_no_directory_or_a_complete_one(trained, tmp_path, point, force):
     runs, reference, _ = trained
@@ -246,6 +246,7 @@ def test_an_unfinished_run_exports_only_the_step_asked_for(unfinished, tmp_path)
     _one_line(miniverl("export-adapter", "half", "--runs-dir", str(unfinished), "--out", str(out), "--step", "2"),
               "--step 2 is not trained yet: run half has reached step 1")
     assert not out.exists() and list(tmp_path.iterdir()) == []
+    _one_line(miniverl("eval", "half", "--runs-dir", str(unfinished)), "run half is not finished")
     result = miniverl("export-adapter", "half", "--runs-dir", str(unfinished), "--out", str(out), "--step", "1")
     assert result.returncode == 0, result.stderr[-2000:]
     card = (out / "README.md").read_text()
@@ -305,3 +306,5 @@ def test_bad_eval_inputs_exit_2_with_one_line(trained, tmp_path):
     _one_line(miniverl("eval", recipe, "--base", "--adapter", str(out)), "exclude each other")
     _one_line(miniverl("eval", "nope", "--runs-dir", str(runs)), "nope is neither a recipe file nor a run")
     _one_line(miniverl("eval", recipe, "--base", "--n", "0"), "--n 0: evaluate between 1 and")
+    _one_line(miniverl("eval", "calc", "--runs-dir", str(runs), "--base", "--step", "40"), "does not go with")
+    _one_line(miniverl("eval", "calc", "--runs-dir", str(runs), "--step", "5"), "--step 5: checkpoints/000005")
