@@ -39,12 +39,23 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(directory: Path) -> None:
+    _fsync(directory)
+
+
+def truncate_file(path: Path, length: int) -> None:
+    """Cut a file to `length` bytes, durably (a torn tail left by a killed appender)."""
+    with open(path, "r+b") as handle:
+        handle.truncate(length)
+        os.fsync(handle.fileno())
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
@@ -79,22 +90,18 @@ def append_line(path: Path, line: str) -> None:
 # ---------------------------------------------------------------- whole directories
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # PermissionError: alive, someone else's
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 
 def _sync_tree(root: Path) -> None:
     for folder, _, files in os.walk(root):
         for name in files:
-            fd = os.open(Path(folder) / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync(Path(folder) / name)
         fsync_dir(Path(folder))
 
 

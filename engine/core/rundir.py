@@ -40,7 +40,7 @@ import msgspec
 
 from miniverl.engine.core import layout
 from miniverl.engine.core.artifacts import Manifest, decode_manifest, read_artifact, read_tensors_file
-from miniverl.engine.core.atomic_io import DiskWriteError, append_line, sha256_bytes, write_bytes_atomic
+from miniverl.engine.core.atomic_io import DiskWriteError, append_line, sha256_bytes, truncate_file, write_bytes_atomic
 from miniverl.engine.core.errors import ArtifactError, ArtifactPruned, RunStateError
 from miniverl.engine.core.faults import kill_point, tear_point
 
@@ -176,11 +176,6 @@ class RunDir:
         """The snapshot with the log's whole updates applied (safe while another process appends)."""
         return self._load()[0]
 
-    def _truncate_log(self, length: int) -> None:
-        with open(self.log_path, "r+b") as handle:
-            handle.truncate(length)
-            os.fsync(handle.fileno())
-
     def _load(self) -> tuple[Journal, int]:
         """The journal, and the length of the log's whole frames (what follows is a torn tail)."""
         try:
@@ -203,7 +198,7 @@ class RunDir:
         """The journal for a writer holding the lock: a torn tail left by a killed writer is cut off first."""
         journal, whole = self._load()
         if self.log_path.exists() and self.log_path.stat().st_size != whole:
-            self._truncate_log(whole)
+            truncate_file(self.log_path, whole)
         self._log_bytes, self._snapshot_bytes = whole, self.journal_path.stat().st_size
         return journal
 
@@ -213,7 +208,7 @@ class RunDir:
         write_bytes_atomic(self.journal_path, snapshot)
         kill_point("journal:snapshot-written")  # the log still holds updates the snapshot has
         if self.log_path.exists():
-            self._truncate_log(0)
+            truncate_file(self.log_path, 0)
         self._log_bytes, self._snapshot_bytes = 0, len(snapshot)
 
     def record(self, journal: Journal, *stage_ids: str) -> None:

@@ -54,7 +54,7 @@ def _check_out(out: Path, force: bool) -> None:
 
 def _check_base(source: RunCheckpoint, student_dir: Path) -> None:
     """The base on disk must still be the one the run trained against."""
-    recorded = next(m for m in source.preflight.models if m.role == "student")
+    recorded = source.model("student")
     now = sha256_file(student_dir / "config.json")
     if now != recorded.config_sha256:
         raise IncompatibleModelsError(
@@ -67,7 +67,7 @@ def _check_base(source: RunCheckpoint, student_dir: Path) -> None:
 
 
 def _provenance(source: RunCheckpoint, adapter_sha256: str, merged_dtype: str | None) -> bytes:
-    student = next(m for m in source.preflight.models if m.role == "student")
+    student = source.model("student")
     manifest = source.manifest
     document = {
         "run_id": source.run.root.name, "recipe": source.recipe.name, "step": source.step,

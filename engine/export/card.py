@@ -6,10 +6,6 @@ from miniverl.engine.core import layout
 from miniverl.engine.export.run_checkpoint import RunCheckpoint
 
 
-def _model(source: RunCheckpoint, role: str):
-    return next(m for m in source.preflight.models if m.role == role)
-
-
 def _step_note(source: RunCheckpoint) -> str:
     cycles = source.recipe.train.cycles
     if source.is_final:
@@ -46,7 +42,7 @@ def _results(source: RunCheckpoint) -> list[str]:
 
 def model_card(source: RunCheckpoint, adapter_sha256: str, recipe_text: str, merged_dtype: str | None) -> str:
     recipe, student_spec = source.recipe, source.recipe.models.student
-    student, teacher = _model(source, "student"), _model(source, "teacher")
+    student, teacher = source.model("student"), source.model("teacher")
     lora = student_spec.lora
     nf4 = student_spec.quantization == "nf4"
     trained_on = ("NF4 (bitsandbytes 4-bit, double-quantized), computing in "

@@ -33,13 +33,8 @@ ADAPTER_NAME = "default"  # the name peft gives the one adapter of a model; stri
 TOKENIZER_EXTRAS = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json", "added_tokens.json")
 
 
-def standard_name(name: str) -> str:
-    """`...q_proj.lora_A.default.weight` -> `...q_proj.lora_A.weight`, the name peft saves and loaders read."""
-    return name.replace(f".{ADAPTER_NAME}.weight", ".weight")
-
-
 def run_name(name: str) -> str:
-    """The inverse of `standard_name`."""
+    """`...q_proj.lora_A.weight`, the name peft saves and loaders read -> `...q_proj.lora_A.default.weight`."""
     for part in ("lora_A", "lora_B"):
         name = name.replace(f".{part}.weight", f".{part}.{ADAPTER_NAME}.weight")
     return name
@@ -83,7 +78,8 @@ def readable_by_all(directory: Path) -> None:
 
 def save_merged(model: torch.nn.Module, directory: Path, student_dir: Path) -> str:
     """The base with the adapter merged in, in the base's own unquantized dtype; returns that dtype's name."""
-    dtype_name = str(read_config(student_dir).get("dtype") or read_config(student_dir).get("torch_dtype") or "float32")
+    config = read_config(student_dir)
+    dtype_name = str(config.get("dtype") or config.get("torch_dtype") or "float32")
     merged = model.merge_and_unload()  # W + (alpha / r) B A, computed in float32
     merged.to(getattr(torch, dtype_name))
     merged.save_pretrained(str(directory))

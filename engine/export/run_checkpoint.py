@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from miniverl.engine.core import layout
-from miniverl.engine.core.artifacts import Checkpoint, Manifest, Preflight
+from miniverl.engine.core.artifacts import Checkpoint, Manifest, ModelIdentity, Preflight
 from miniverl.engine.core.errors import ArtifactError, ArtifactPruned, RunStateError, UserError
 from miniverl.engine.core.recipe import Recipe
 from miniverl.engine.core.rundir import Journal, RunDir, pruned_message
@@ -27,6 +27,10 @@ class RunCheckpoint:
     adapter: dict[str, torch.Tensor]  # the student's adapter, by the names the run's model gives them
     preflight: Preflight
     manifest: Manifest | None
+
+    def model(self, role: str) -> ModelIdentity:
+        """The student's or the teacher's identity as preflight recorded it."""
+        return next(m for m in self.preflight.models if m.role == role)
 
     @property
     def is_final(self) -> bool:

@@ -20,7 +20,6 @@ sent twice:
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -28,7 +27,7 @@ import msgspec
 
 from miniverl.engine.core import layout
 from miniverl.engine.core.artifacts import CycleSummary, RolloutSummary
-from miniverl.engine.core.atomic_io import append_line
+from miniverl.engine.core.atomic_io import append_line, truncate_file
 from miniverl.engine.core.errors import RecipeError
 from miniverl.engine.core.faults import kill_point
 from miniverl.engine.core.layout import StageKey
@@ -208,9 +207,7 @@ class LiveMetrics:
             return
         whole = data[: data.rfind(b"\n") + 1]
         if len(whole) != len(data):
-            with open(self.path, "r+b") as handle:
-                handle.truncate(len(whole))
-                os.fsync(handle.fileno())
+            truncate_file(self.path, len(whole))
         for line in whole.splitlines():
             try:
                 entry = json.loads(line)
