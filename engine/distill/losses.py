@@ -266,19 +266,27 @@ def _chunk_logits(h_CH: Tensor, w_VH: Tensor) -> Tensor:
 
 def chunked_loss_backward(hidden_NH: Tensor, head_VH: Tensor, targets: PositionTargets, spec: LossSpec,
                           chunk_size: int, normalizer: float, vocab_limit: int,
-                          memory_guard: Callable[[int], None] | None = None) -> LossStats:
+                          memory_guard: Callable[[int], None] | None = None, fused: bool | None = None) -> LossStats:
     """Add d[(sum_i loss_i) / normalizer] to the grads upstream of `hidden_NH` (and of `head_VH`).
 
     Backward runs here, chunk by chunk, so at most one chunk's logits live at
     once. `memory_guard(elements)` is called before each [C, V_real] logits
     tensor is built (student, and teacher for `exact`); whatever it raises
     propagates, with no gradient written upstream.
+
+    `fused`: the Triton path for `exact` (`fused_exact_applies` decides when
+    None); False forces the unfused one, True requires the fused one.
     """
     _validate(hidden_NH, head_VH, targets, spec, chunk_size, normalizer, vocab_limit)
     n = hidden_NH.shape[0]
     want_hidden = hidden_NH.requires_grad
     want_head = head_VH.requires_grad
     need_grad = want_hidden or want_head
+    if fused is None:
+        fused = fused_exact_applies(head_VH, targets, spec)
+    if fused:
+        return _fused_exact_backward(hidden_NH, head_VH, targets, spec, chunk_size, normalizer, vocab_limit,
+                                     memory_guard)
 
     # Detached leaves: each chunk's backward stops here instead of re-walking
     # (and freeing) the model graph; the model backward runs once at the end.
@@ -357,3 +365,56 @@ def chunked_loss_backward(hidden_NH: Tensor, head_VH: Tensor, targets: PositionT
         torch.autograd.backward(outputs, out_grads)
 
     return LossStats(loss_sum=float(loss_total), kl_sum=float(kl_total), positions=n, chunks=chunks)
+
+
+# --------------------------------------------------------------------------- the fused exact path
+
+
+def fused_exact_applies(head_VH: Tensor, targets: PositionTargets, spec: LossSpec) -> bool:
+    """`exact` on a CUDA half-precision head that is not trained, with Triton importable."""
+    if spec.mode != "exact" or head_VH.requires_grad or not head_VH.is_cuda:
+        return False
+    teacher_VH = targets.teacher_head_VH
+    if head_VH.dtype not in (torch.bfloat16, torch.float16) or teacher_VH is None or teacher_VH.dtype != head_VH.dtype:
+        return False
+    try:
+        import triton  # noqa: F401 - CUDA builds of PyTorch ship it; a CPU build need not
+    except ImportError:
+        return False
+    return True
+
+
+def _fused_exact_backward(hidden_NH: Tensor, head_VH: Tensor, targets: PositionTargets, spec: LossSpec,
+                          chunk_size: int, normalizer: float, vocab_limit: int,
+                          memory_guard: Callable[[int], None] | None) -> LossStats:
+    """`exact` with `fused_exact.divergence_and_grad`: per chunk two GEMMs in, one GEMM out, no float32 [C, V]."""
+    from miniverl.engine.distill.fused_exact import divergence_and_grad
+
+    n = hidden_NH.shape[0]
+    want_hidden = hidden_NH.requires_grad
+    # The whole padded heads: aligned rows for the GEMMs; the kernel reads only columns < vocab_limit.
+    w_VH, teacher_w_VH = head_VH.detach(), targets.teacher_head_VH.detach()
+    grad_h_NH = torch.zeros_like(hidden_NH) if want_hidden else None
+    loss_total = torch.zeros((), dtype=torch.float64, device=hidden_NH.device)
+    chunks = 0
+    with torch.no_grad():
+        for lo in range(0, n, chunk_size):
+            hi = min(lo + chunk_size, n)
+            chunks += 1
+            if memory_guard is not None:
+                memory_guard((hi - lo) * vocab_limit)
+            teacher_CV = targets.teacher_hidden_NH[lo:hi].to(teacher_w_VH.dtype) @ teacher_w_VH.T
+            if memory_guard is not None:
+                memory_guard((hi - lo) * vocab_limit)
+            student_CV = hidden_NH.detach()[lo:hi].to(w_VH.dtype) @ w_VH.T
+            value_C = divergence_and_grad(student_CV, teacher_CV, vocab_limit, spec.divergence, spec.jsd_beta,
+                                          1.0 / normalizer)
+            del teacher_CV
+            if want_hidden:
+                grad_h_NH[lo:hi] = (student_CV @ w_VH).to(grad_h_NH.dtype)  # student_CV now holds dLoss/dS
+            del student_CV
+            loss_total += value_C.double().sum()
+    if want_hidden and n > 0:
+        torch.autograd.backward([hidden_NH], [grad_h_NH])
+    total = float(loss_total)
+    return LossStats(loss_sum=total, kl_sum=total, positions=n, chunks=chunks)

@@ -28,7 +28,7 @@ def test_padding_is_masked_and_gathering_matches_a_loop() -> None:
     assert ids.tolist() == [[5, 6, 7, 8, 9], [1, 2, 3, 0, 0]] and mask.tolist() == [[1] * 5, [1, 1, 1, 0, 0]]
 
     class Body(torch.nn.Module):  # hidden state = (token id, position), enough to see what is gathered
-        def forward(self, input_ids, attention_mask):
+        def forward(self, input_ids):
             pos = torch.arange(input_ids.shape[1]).expand_as(input_ids)
             return type("Out", (), {"last_hidden_state": torch.stack([input_ids, pos], -1).float()})
 
@@ -39,3 +39,20 @@ def test_padding_is_masked_and_gathering_matches_a_loop() -> None:
 def test_micro_batches_keep_order_and_cover_everything() -> None:
     assert micro_batches(list(range(7)), 3) == [[0, 1, 2], [3, 4, 5], [6]]
     assert micro_batches([], 4) == []
+
+
+def test_a_right_padded_batch_gives_each_trajectory_its_own_hidden_states() -> None:
+    """No padding mask is passed: under the causal mask a real position never sees the pads after it."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    body = Qwen3ForCausalLM(config).eval().model
+    long = _trajectory(list(range(3, 14)), [P] * 4 + [M] * 7)
+    short = _trajectory([9, 8, 7, 6], [P, P, M, M])
+    with torch.no_grad():
+        together, tokens = predicting_hidden(body, [long, short, long], pad_id=0, device="cpu")
+        alone = [predicting_hidden(body, [t], pad_id=0, device="cpu")[0] for t in (long, short, long)]
+    assert tokens.tolist() == long.token_ids[4:] + [7, 6] + long.token_ids[4:]
+    torch.testing.assert_close(together, torch.cat(alone), rtol=1e-5, atol=1e-5)
