@@ -51,7 +51,12 @@ def _teacher_adapter(host: ModelHost) -> dict | None:
 
 
 def prepare(recipe: Recipe, host: ModelHost, task: Task) -> tuple[Preflight, dict[str, torch.Tensor]]:
+    """`recipe` is the planned one the stages run; the record keeps the recipe as written (`host.recipe`),
+    its `auto`s resolved beside it, the memory plan's with them."""
     resolved = resolve_all(recipe)
+    if host.plan is not None:
+        resolved.update(host.plan.resolutions)
+    recipe = host.recipe
     pairing = host.pairing  # checked (and required) when the host was built, before any weight loaded
     adapter = host.initial_adapter()
     student, teacher = host.student(), host.teacher()

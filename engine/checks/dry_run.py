@@ -25,9 +25,11 @@ from miniverl.engine.core.atomic_io import sha256_file
 from miniverl.engine.core.artifacts import Resolution
 from miniverl.engine.core.recipe import Recipe
 from miniverl.engine.models.checks import ROLES, CheckedModels, Refusals, check_models
+from miniverl.engine.core.errors import RecipeError
 from miniverl.engine.models.memory_estimate import (
     ModelShape, estimate, free_memory, impossible_plan, lora_parameters, model_shape, parameter_counts,
 )
+from miniverl.engine.models.memory_plan import budget_of, one_at_a_time, plan_memory
 
 __all__ = ["DryRunReport", "dry_run", "render", "to_json"]  # the CLI's whole use of this module
 
@@ -119,12 +121,19 @@ def _teacher_adapter(recipe: Recipe, checked: CheckedModels) -> TeacherAdapterRe
 
 def memory_report(recipe: Recipe, resolved: dict[str, Resolution], student: ModelShape,
                   teacher: ModelShape) -> tuple[MemoryReport, str | None]:
-    """The estimate per stage against the memory free now, and the line refusing a plan that can never fit."""
-    device, dtype = resolved["models.device"].value, resolved["dtype"].value
-    stages = estimate(recipe, student, teacher, device, dtype, resolved["optimizer.name"].value,
-                      resolved["memory.strategy"].value)
+    """The memory plan (its resolutions join `resolved`) and the estimate per stage at its sizes against the
+    memory free now, and the line refusing a plan that can never fit."""
+    device, dtype, optimizer = resolved["models.device"].value, resolved["dtype"].value, resolved["optimizer.name"].value
     free, source = free_memory(device)
-    refusal = impossible_plan(stages, device)  # the run refuses it too (engine.run.commands.prepare)
+    try:
+        plan = plan_memory(recipe, student, teacher, device, dtype, optimizer, resolved["memory.strategy"],
+                           budget_of(recipe, free, source))
+        resolved.update(plan.resolutions)
+        stages, refusal = plan.stages, impossible_plan(plan.stages, device)  # the run refuses both too
+    except RecipeError as exc:  # an explicit budget that cannot hold a stage: shown at one-at-a-time sizes
+        stages = estimate(recipe, student, teacher, device, dtype, optimizer, resolved["memory.strategy"].value,
+                          one_at_a_time(recipe))
+        refusal = str(exc)
     return MemoryReport(device=device, dtype=dtype, free_bytes=free, free_source=source,
                         stages=[StageMemory(**s.as_dict()) for s in stages],
                         fits_by_estimate=None if free is None else all(s.total <= free for s in stages)), refusal

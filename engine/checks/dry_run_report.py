@@ -160,8 +160,9 @@ def render(console, report: DryRunReport) -> None:
         console.print(text, highlight=False, markup=False)
 
     say(f"dry run of {report.recipe}: no weights are loaded and nothing is trained")
+    width = max((len(key) for key in report.resolved), default=16)
     for key, r in report.resolved.items():
-        say(f"  {key:<16} {r.value:<17} ({r.reason})")
+        say(f"  {key:<{width}} {r.value:<17} ({r.reason})")
     if report.models is UNSET:
         return
     say("models")

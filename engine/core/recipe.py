@@ -56,6 +56,9 @@ Rank = _upto(MAX_RANK, f"beyond rank {MAX_RANK} an adapter is no longer low-rank
 TopK = _upto(MAX_TOPK, f"for more than {MAX_TOPK} teacher tokens use loss.mode: exact")
 ChunkSize = _upto(MAX_TOKENS, f"a chunk is at most the {MAX_TOKENS:,}-token sequence ceiling")
 HeldoutCount = _upto(MAX_HELDOUT, f"{MAX_HELDOUT:,} held-out items is more than a verify needs")
+MAX_BUDGET_GIB = 16_384.0  # 16 TiB: a budget past any card's memory is a typo
+Auto = Literal["auto"]  # resolved by the memory plan at preflight (engine.models.memory_plan)
+BudgetGiB = Annotated[float, msgspec.Meta(gt=0.0, le=MAX_BUDGET_GIB, description="GiB of device memory for the run")]
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -115,7 +118,11 @@ class OptimizerSpec(_Strict):
 class TrainSpec(_Strict):
     cycles: Cycles = 10
     rollouts_per_cycle: RolloutCount = 32
-    trajectory_batch_size: BatchCount = 1
+    # Trajectories per gradient micro-batch; `auto`: the largest the memory plan fits in memory.budget.
+    trajectory_batch_size: BatchCount | Auto = 1
+    # Trajectories per teacher-score forward; unset: trajectory_batch_size's value (the plan sizes it
+    # on its own when trajectory_batch_size is auto, the teacher's activations being another size).
+    score_batch_size: BatchCount | Auto | None = None
     # Recompute each student layer in the gradient stage's backward instead of
     # keeping its activations: less memory, one more forward; same gradient.
     gradient_checkpointing: bool = False
@@ -127,7 +134,7 @@ class RolloutSpec(_Strict):
     max_total_tokens: TokenCount = 512
     temperature: PositiveFloat = 1.0
     top_p: Probability = 1.0
-    generation_batch_size: BatchCount = 32
+    generation_batch_size: BatchCount | Auto = 32
     # auto: the CUDA-graph decode engine on CUDA, the plain forward-pass loop elsewhere;
     # plain: the loop everywhere (slower; for debugging and for the before/after benchmark).
     engine: Literal["auto", "plain"] = "auto"
@@ -142,7 +149,12 @@ class LossRecipe(_Strict):
 
 
 class MemorySpec(_Strict):
+    # resident: both models stay on the device; swap: an idle unquantized model's weights wait in pinned
+    # host memory (the teacher's head stays for exact mode's gradient stage); auto: swap only where the
+    # memory plan fits larger batches with it.
     strategy: Literal["auto", "resident", "swap"] = "auto"
+    # Device memory the run may allocate, in GiB; auto: what is free when the run plans, less a margin.
+    budget: BudgetGiB | Auto = "auto"
     min_chunk_size: ChunkSize = 16
 
 

@@ -11,9 +11,12 @@ Runtimes:
   adapter ('default') and a frozen teacher adapter ('teacher'). `teacher()`
   returns a view whose forward switches to the teacher adapter and back.
 
-Memory strategies: `resident` keeps everything on the GPU; `swap` moves an
-unquantized model that the current stage does not use to CPU memory and
-returns the freed blocks to the driver. bitsandbytes (NF4) models never move.
+Memory strategies: `resident` keeps everything on the GPU; `swap` parks the
+frozen weights of an unquantized model that the current stage does not use in
+pinned host memory (engine.models.offload) and returns the freed blocks to the
+driver: the teacher while the student samples, trains or is verified (its head
+comes back alone for exact mode's gradient stage), an unquantized student's
+base while the teacher scores. bitsandbytes (NF4) models never move.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from miniverl.engine.models.loading import (
 )
 from miniverl.engine.core.recipe import Recipe
 from miniverl.engine.core.seeding import derive_seed
+from miniverl.engine.models.offload import PinnedWeights
 
 
 class ModelHost:
@@ -48,6 +52,8 @@ class ModelHost:
         self.device = device
         self.dtype = torch_dtype(dtype)
         self.swap = memory_strategy == "swap" and device != "cpu"
+        self._parked: dict[int, PinnedWeights] = {}  # id(model) -> its frozen weights' host copies, under swap
+        self.plan = None  # the memory plan (engine.models.memory_plan.MemoryPlan), set by run.commands.prepare
         self.shared = recipe.models.runtime == "shared_backbone"
         self._student = None
         self._teacher = None
@@ -61,6 +67,12 @@ class ModelHost:
         self.teacher_adapter: TeacherAdapter | None = checked.teacher_adapter
         self.pairing: Pairing = checked.pairing  # tokenizer byte-identity and vocabulary rows, already required
         self.tokenizer = checked.tokenizer  # the student's; the checks loaded it to count its tokens
+
+    def use_memory_strategy(self, strategy: str) -> None:
+        """The strategy the memory plan chose; only before a model is loaded."""
+        if self._student is not None or self._teacher is not None:
+            raise RuntimeError("the memory strategy is fixed once a model is loaded")
+        self.swap = strategy == "swap" and self.device != "cpu"
 
     @property
     def vocab_limit(self) -> int:
@@ -97,14 +109,18 @@ class ModelHost:
     def teacher_head(self) -> torch.Tensor:
         """The teacher's LM head weight [V, H] on the compute device, for stages that need only the head.
 
-        Under `swap` the teacher body stays in CPU memory and only the head is
-        copied over for the stage (freed when the stage drops it).
+        Under `swap` the teacher's body stays in pinned host memory and only its
+        head (tied to its embedding in Qwen3) comes back to the device.
         """
         if self.shared or not self.swap:
             return decoder_and_head(self.teacher())[1]
-        if self._teacher is None:  # first use in this process: straight to CPU memory
-            self._teacher = load_causal_lm(self.teacher_dir, self.dtype, "cpu")
-        return decoder_and_head(self._teacher)[1].detach().to(self.device)
+        if self._teacher is None:  # first use in this process: load it, then park all but the head
+            self._teacher = load_causal_lm(self.teacher_dir, self.dtype, self.device)
+        head = decoder_and_head(self._teacher)[1]
+        parked = self._weights(self._teacher)
+        parked.release(keep=(head,))
+        parked.restore(only=(head,))
+        return head
 
     def initial_adapter(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in adapter_parameters(self.student()).items()}
@@ -112,16 +128,29 @@ class ModelHost:
     def _teacher_module(self) -> torch.nn.Module | None:
         return None if self.shared else self._teacher
 
+    def _weights(self, model: torch.nn.Module) -> PinnedWeights:
+        if id(model) not in self._parked:
+            self._parked[id(model)] = PinnedWeights(model, self.device)
+        return self._parked[id(model)]
+
     def _place(self, wanted: torch.nn.Module, other: torch.nn.Module | None) -> None:
-        """Swap strategy: the model in use goes to the GPU, an unquantized other one to CPU memory."""
+        """Swap strategy: the model in use gets its weights back, an unquantized other one parks its own."""
         if not self.swap:
             return
-        if other is not None and not is_quantized(other) and _on_device(other, "cuda"):
-            other.to("cpu")
-            torch.cuda.empty_cache()  # give the blocks back, so the memory is free for the driver too
-        if not is_quantized(wanted) and not _on_device(wanted, "cuda"):
-            wanted.to(self.device)
+        if other is not None and not is_quantized(other):
+            self._weights(other).release()
+        if not is_quantized(wanted) and id(wanted) in self._parked:
+            self._parked[id(wanted)].restore()
 
-
-def _on_device(model: torch.nn.Module, kind: str) -> bool:
-    return next(model.parameters()).device.type == kind
+    def resident_weight_bytes(self) -> int:
+        """Bytes of model parameters on the compute device now (parked ones excluded)."""
+        total = 0
+        for model in (self._student, None if self.shared else self._teacher):
+            if model is None:
+                continue
+            if id(model) in self._parked:
+                total += self._parked[id(model)].resident_bytes() + sum(
+                    p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+            else:
+                total += sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "cpu")
+        return total

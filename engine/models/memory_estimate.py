@@ -33,7 +33,7 @@ NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes + 8-bit absma
 FP32 = 4
 # What the process needs besides tensors: the CUDA context, or Python with torch and transformers imported.
 RUNTIME_OVERHEAD = {"cuda": 512 * 2**20, "cpu": 768 * 2**20}
-LOSS_TEMPORARIES = {"exact": 6, "sampled_kl": 4, "topk_tail": 4}  # student logits, log-softmax, probs, grad (+ teacher's two)
+LOSS_TEMPORARIES = {"exact": 9, "sampled_kl": 6, "topk_tail": 6}  # the unfused loop's float32 [C, V] tensors, measured
 SAMPLING_TEMPORARIES = 3  # logits, softmax, sorted copy for top-p
 
 
@@ -189,73 +189,120 @@ class StageEstimate:
     def total(self) -> int:
         return self.weights + self.adapter + self.kv_cache + self.activations + self.chunk_tensors + self.runtime
 
+    @property
+    def allocated(self) -> int:
+        """What the run's tensors take: the total less the CUDA context or interpreter."""
+        return self.total - self.runtime
+
     def as_dict(self) -> dict[str, int | str]:
         return {**asdict(self), "total": self.total}
 
 
+@dataclass(frozen=True)
+class Sizes:
+    """The batch sizes a plan fixes: sequences per rollout batch, trajectories per gradient and teacher-score pass."""
+
+    generation: int
+    micro: int
+    score: int
+
+
+def recipe_sizes(recipe: Recipe) -> Sizes:
+    """The recipe's own sizes (every `auto` already resolved)."""
+    train = recipe.train
+    score = train.trajectory_batch_size if train.score_batch_size is None else train.score_batch_size
+    return Sizes(recipe.rollout.generation_batch_size, train.trajectory_batch_size, score)
+
+
+# cuBLAS workspaces, CUDA-graph pools, index and mask tensors, allocator rounding: measured 0.1 GiB
+# beside a rollout's KV caches on an H200 (benchmarks/results/gradient_profile_h200.json).
+WORKSPACE = 128 * 2**20
+
+
+def fused_loss(recipe: Recipe, device: str, dtype: str) -> bool:
+    """Whether the gradient stage takes the Triton exact loss (losses.fused_exact_applies, decided here from the recipe)."""
+    return recipe.loss.mode == "exact" and device == "cuda" and dtype in ("bfloat16", "float16")
+
+
 def estimate(recipe: Recipe, student: ModelShape, teacher: ModelShape, device: str, dtype: str,
-             optimizer: str, strategy: str) -> list[StageEstimate]:
+             optimizer: str, strategy: str, sizes: Sizes | None = None) -> list[StageEstimate]:
+    """Each stage's memory at `sizes` (default: the recipe's own batch sizes)."""
+    sizes = sizes or recipe_sizes(recipe)
     b = DTYPE_BYTES[dtype]
     s_total, s_linear = parameter_counts(student)
     t_total, _ = parameter_counts(teacher)
     nf4 = recipe.models.student.quantization == "nf4"
     student_w = int(s_linear * NF4_BYTES_PER_PARAM + (s_total - s_linear) * b) if nf4 else s_total * b
     teacher_w = t_total * b
+    teacher_head = teacher.vocab * teacher.hidden * b
+    exact = recipe.loss.mode == "exact"
     lora = lora_parameters(student, recipe.models.student.lora.target_modules, recipe.models.student.lora.r) * FP32
     moments = 2 if optimizer == "paged_adamw_8bit" else 8  # bytes per parameter for the two moments
-    swap = strategy == "swap" and device == "cuda"
+    swap = strategy == "swap" and device == "cuda" and recipe.models.runtime == "dual_model"
 
-    def weights(*used: str) -> int:
-        """Resident: both models stay on the device; swap: only the ones this stage uses (NF4 never moves)."""
+    def weights(stage: str) -> int:
+        """Resident: both models stay. Swap: an unused teacher waits in host memory (its head stays from
+        the gradient stage through the optimizer step in exact mode); an unquantized student's base waits
+        while the teacher scores (NF4 never moves)."""
         if not swap:
             return student_w + teacher_w
-        return (student_w if "student" in used or nf4 else 0) + (teacher_w if "teacher" in used else 0)
+        if stage in (layout.PREFLIGHT, layout.TEACHER_SCORE):
+            return (student_w if nf4 or stage == layout.PREFLIGHT else 0) + teacher_w
+        head = teacher_head if exact and stage in (layout.GRADIENT, layout.OPTIMIZER_STEP) else 0
+        return student_w + head
 
     r, train, v = recipe.rollout, recipe.train, recipe.verify
     tokens = r.max_total_tokens
-    rollout_batch = min(r.generation_batch_size, train.rollouts_per_cycle)
+    rollout_batch = min(sizes.generation, train.rollouts_per_cycle)
     verify_batch = min(v.batch_size, recipe.task.heldout_size)
-    micro = train.trajectory_batch_size
+    micro, score = min(sizes.micro, train.rollouts_per_cycle), min(sizes.score, train.rollouts_per_cycle)
     chunk = recipe.loss.chunk_size
 
     def kv(shape: ModelShape, batch: int) -> int:
         return shape.layers * shape.kv_heads * shape.head_dim * 2 * b * tokens * batch
 
     def one_layer(shape: ModelShape, batch: int) -> int:
-        """A no-grad forward frees each layer's tensors before the next: one layer's worth is live."""
-        return batch * tokens * (4 * shape.hidden + 2 * shape.intermediate) * b
+        """A no-grad forward frees each layer's tensors before the next: one layer's worth (the norms'
+        float32 upcasts, q/k/v, the MLP's gate, up, activation and product) and its output."""
+        return batch * tokens * (6 * shape.hidden + 4 * shape.intermediate) * b
 
     def all_layers(shape: ModelShape, batch: int) -> int:
-        """A backward needs every layer's inputs: norms, q/k/v, attention output, the MLP's three.
-
-        With gradient checkpointing only each layer's input is kept, plus one layer recomputed at a time."""
-        per_token = 4 * shape.hidden + 2 * shape.q_dim + 2 * shape.kv_dim + 3 * shape.intermediate
+        """A backward needs every layer's inputs: norms, q/k/v, attention output, the MLP's gate, up, product
+        and their LoRA intermediates. With gradient checkpointing only each layer's input is kept, plus one
+        layer recomputed at a time. The predicting hidden states and their gradient come on top."""
+        per_token = 6 * shape.hidden + 2 * shape.q_dim + 2 * shape.kv_dim + 8 * shape.intermediate
+        gathered = 3 * shape.hidden
         if train.gradient_checkpointing:
-            return batch * tokens * (shape.layers * shape.hidden + per_token) * b
-        return batch * tokens * shape.layers * per_token * b
+            return batch * tokens * (shape.layers * shape.hidden + per_token + gathered) * b
+        return batch * tokens * (shape.layers * per_token + gathered) * b
 
     def sampling(shape: ModelShape, batch: int) -> int:
         return batch * shape.vocab * FP32 * SAMPLING_TEMPORARIES
 
-    teacher_chunk = 0 if recipe.loss.mode == "exact" else chunk * teacher.vocab * FP32 * 3
-    exact = recipe.loss.mode == "exact"
+    teacher_chunk = 0 if exact else chunk * teacher.vocab * FP32 * 3
     # A float32 model's loss logits are float64, from float64 copies of the heads (losses._chunk_logits).
     loss_bytes = 2 * FP32 if b == FP32 else FP32
     head_copies = (student.vocab * student.hidden + (teacher.vocab * teacher.hidden if exact else 0)) * 2 * FP32 \
         if b == FP32 else 0
+    if fused_loss(recipe, device, dtype):  # the two GEMM outputs, in the heads' dtype, are the only [C, V] tensors
+        loss_chunk = chunk * (student.vocab + teacher.vocab) * b
+    else:
+        loss_chunk = chunk * student.vocab * loss_bytes * LOSS_TEMPORARIES[recipe.loss.mode] + head_copies
     overhead = RUNTIME_OVERHEAD[device]
+    work = WORKSPACE if device == "cuda" else 0
     return [
-        StageEstimate(layout.PREFLIGHT, student_w + teacher_w, lora, 0, 0, 0, overhead),
-        StageEstimate(layout.VERIFY, weights("student"), lora, kv(student, verify_batch),
-                      one_layer(student, verify_batch), sampling(student, verify_batch), overhead),
-        StageEstimate(layout.ROLLOUT, weights("student"), lora, kv(student, rollout_batch),
-                      one_layer(student, rollout_batch), sampling(student, rollout_batch), overhead),
-        StageEstimate(layout.TEACHER_SCORE, weights("teacher"), lora, 0, one_layer(teacher, micro), teacher_chunk, overhead),
-        StageEstimate(layout.GRADIENT, weights("student", "teacher") if exact else weights("student"), 2 * lora, 0,
-                      all_layers(student, micro),
-                      chunk * student.vocab * loss_bytes * LOSS_TEMPORARIES[recipe.loss.mode] + head_copies,
-                      overhead),
-        StageEstimate(layout.OPTIMIZER_STEP, weights("student"), 3 * lora + lora // FP32 * moments, 0, 0, 0, overhead),
+        StageEstimate(layout.PREFLIGHT, weights(layout.PREFLIGHT), lora, 0, 0, 0, overhead),
+        StageEstimate(layout.VERIFY, weights(layout.VERIFY), lora, kv(student, verify_batch),
+                      one_layer(student, verify_batch) + work, sampling(student, verify_batch), overhead),
+        StageEstimate(layout.ROLLOUT, weights(layout.ROLLOUT), lora, kv(student, rollout_batch),
+                      one_layer(student, rollout_batch) + work, sampling(student, rollout_batch), overhead),
+        StageEstimate(layout.TEACHER_SCORE, weights(layout.TEACHER_SCORE), lora, 0, one_layer(teacher, score) + work,
+                      teacher_chunk, overhead),
+        # The adapter, its gradient and the float64 sum of the micro-batches' gradients (stages.gradient).
+        StageEstimate(layout.GRADIENT, weights(layout.GRADIENT), 4 * lora, 0, all_layers(student, micro) + work,
+                      loss_chunk, overhead),
+        StageEstimate(layout.OPTIMIZER_STEP, weights(layout.OPTIMIZER_STEP), 3 * lora + lora // FP32 * moments, 0,
+                      work, 0, overhead),
     ]
 
 

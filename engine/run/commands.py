@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from miniverl.engine.core import layout
 from miniverl.engine.core.atomic_io import write_bytes_atomic
 from miniverl.engine.core.device import resolve_all
 from miniverl.engine.core.errors import ArtifactError, RecipeError, RunStateError, UserError
 from miniverl.engine.models.host import ModelHost
-from miniverl.engine.models.memory_estimate import memory_refusal
+from miniverl.engine.models.memory_estimate import free_memory, memory_refusal
+from miniverl.engine.models.memory_plan import plan_for_configs, recorded_plan
 from miniverl.engine.run.driver import Driver
 from miniverl.engine.run.metrics import missing_package
 from miniverl.engine.core.progress import Reporter
@@ -41,16 +43,24 @@ def quiet_libraries() -> None:
         pass
 
 
-def prepare(recipe: Recipe) -> ModelHost:
+def prepare(recipe: Recipe, recorded: dict[str, Any] | None = None) -> ModelHost:
     """Everything a user can get wrong about the models, checked before a run directory exists and before any weight loads.
 
     The same checks `miniverl run --dry-run` collects, here raising the first:
-    the `auto` resolutions, then the models (ModelHost calls models.checks.check_models).
+    the `auto` resolutions, then the models (ModelHost calls models.checks.check_models),
+    then the memory plan (`host.plan`; `host.plan.applied(recipe)` is the recipe the
+    stages run). `recorded`: a run's resolved.json entries, whose plan is kept.
     """
     resolved = resolve_all(recipe)
-    host = ModelHost(recipe, resolved["device"].value, resolved["dtype"].value, resolved["memory.strategy"].value)
-    refusal = memory_refusal(recipe, host.configs, resolved["device"].value, resolved["dtype"].value,
-                             resolved["optimizer.name"].value, resolved["memory.strategy"].value)
+    device, dtype, optimizer = resolved["device"].value, resolved["dtype"].value, resolved["optimizer.name"].value
+    host = ModelHost(recipe, device, dtype, resolved["memory.strategy"].value)
+    free, source = free_memory(device) if recorded is None else (None, "")
+    plan = plan_for_configs(recipe, host.configs, device, dtype, optimizer, resolved["memory.strategy"], free, source)
+    if recorded is not None:
+        plan = recorded_plan(recipe, recorded, plan)
+    host.use_memory_strategy(plan.strategy)
+    host.plan = plan
+    refusal = memory_refusal(plan.applied(recipe), host.configs, device, dtype, optimizer, plan.strategy)
     if refusal is not None:
         raise RecipeError(refusal)
     missing = missing_package(recipe)
@@ -110,7 +120,7 @@ def start_run(recipe_path: Path, run_id: str | None, runs_dir: Path, reporter: R
             run.write_journal(Journal(run_id=run_id, overrides=list(overrides)))
             run.event("run_created", recipe=str(recipe_path))
             reporter.line(f"run {run_id} in {run.root}")
-            _drive(run, recipe, host, task, reporter)
+            _drive(run, host.plan.applied(recipe), host, task, reporter)
     except UserError:
         if created and not (run.root / layout.preflight_ref().path).exists():
             shutil.rmtree(run.root, ignore_errors=True)  # nothing worth keeping yet
@@ -146,15 +156,24 @@ def resume_run(run_id: str, runs_dir: Path, reporter: Reporter) -> RunDir:
     run, recipe = open_run(run_id, runs_dir)
     quiet_libraries()
     with run.locked():
-        host = prepare(recipe)
+        host = prepare(recipe, recorded_resolutions(run))
         task = run_task(run, recipe)
         journal = run.read_journal()
         done = sum(1 for record in journal.stages.values() if record.state == "done")
         pending = layout.plan_length(recipe.train.cycles) - done
         reporter.line(f"resuming {run_id}: {pending} stage(s) not done" if pending else f"run {run_id} is complete; checking its files")
         run.event("resume", pending=pending)
-        _drive(run, recipe, host, task, reporter)
+        _drive(run, host.plan.applied(recipe), host, task, reporter)
     return run
+
+
+def recorded_resolutions(run: RunDir) -> dict[str, Any] | None:
+    """resolved.json's entries (the plan preflight recorded), or None before preflight wrote it."""
+    try:
+        resolved = json.loads((run.root / layout.resolved_ref().path).read_text(encoding="utf-8"))["resolved"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return resolved if isinstance(resolved, dict) else None
 
 
 def _drive(run: RunDir, recipe: Recipe, host: ModelHost, task: Task, reporter: Reporter) -> None:
@@ -170,7 +189,8 @@ def rerun_stage(run_id: str, runs_dir: Path, stage: str, cycle: int | None, labe
     quiet_libraries()
     with run.locked():
         task = run_task(run, recipe)
-        driver = Driver(run, recipe, reporter, prepare(recipe), task)
+        host = prepare(recipe, recorded_resolutions(run))
+        driver = Driver(run, host.plan.applied(recipe), reporter, host, task)
         try:
             driver.execute(key)
         except ArtifactError as exc:

@@ -1,0 +1,231 @@
+"""The memory plan: batch sizes and the memory strategy chosen from a budget, once, at the start of a run.
+
+`memory.budget` is the device memory the run's tensors may take (GiB, or `auto`:
+what is free when the run starts, less a margin). Every `auto` batch size
+becomes the largest count whose stage fits the budget by the analytic
+estimate (`memory_estimate.estimate`), up to `train.rollouts_per_cycle`:
+
+    rollout.generation_batch_size   the rollout stage (KV caches, sampling)
+    train.trajectory_batch_size     the gradient stage (activations, loss chunk)
+    train.score_batch_size          the teacher-score stage (the teacher's forward)
+
+`memory.strategy: auto` takes `swap` (the teacher's weights in pinned host memory
+while the student samples and trains) only where that fits larger batches than
+`resident`. The plan is recorded in resolved.json and the manifest with a reason
+per key, and a resumed run reads it back rather than planning again, so a run
+keeps its batch sizes whatever is free later. Batch sizes change how the work
+is cut, never the objective (stages.gradient sums micro-batches exactly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace as replace_dataclass
+from typing import Any
+
+import msgspec
+
+from miniverl.engine.core import layout
+from miniverl.engine.core.artifacts import Resolution
+from miniverl.engine.core.errors import RecipeError
+from miniverl.engine.core.recipe import Recipe
+from miniverl.engine.models.memory_estimate import ModelShape, Sizes, StageEstimate, estimate
+
+GIB = 2**30
+MIN_MARGIN = 256 * 2**20
+MARGIN_FRACTION = 0.10  # of the free memory an `auto` budget starts from: allocator rounding, other processes
+PLANNED_KEYS = ("memory.budget", "memory.strategy", "rollout.generation_batch_size", "train.trajectory_batch_size",
+                "train.score_batch_size")
+_STAGE_OF = {"generation": layout.ROLLOUT, "micro": layout.GRADIENT, "score": layout.TEACHER_SCORE}
+_KEY_OF = {"generation": "rollout.generation_batch_size", "micro": "train.trajectory_batch_size",
+           "score": "train.score_batch_size"}
+
+
+@dataclass(frozen=True)
+class Budget:
+    bytes: int | None  # None: no figure for this device's free memory
+    reason: str
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget: Budget
+    strategy: str
+    sizes: Sizes
+    resolutions: dict[str, Resolution]  # every key in PLANNED_KEYS: its value here and why
+    stages: list[StageEstimate]  # the estimate at the planned sizes (empty for a plan read back from a run)
+
+    def applied(self, recipe: Recipe) -> Recipe:
+        """The recipe the stages run: every planned batch size a number."""
+        s = self.sizes
+        return msgspec.structs.replace(
+            recipe,
+            train=msgspec.structs.replace(recipe.train, trajectory_batch_size=s.micro, score_batch_size=s.score),
+            rollout=msgspec.structs.replace(recipe.rollout, generation_batch_size=s.generation),
+        )
+
+
+def budget_of(recipe: Recipe, free_bytes: int | None, free_source: str) -> Budget:
+    requested = recipe.memory.budget
+    if requested != "auto":
+        return Budget(int(requested * GIB), "requested by the recipe")
+    if free_bytes is None:
+        return Budget(None, f"auto: {free_source} is unknown here, so nothing is sized from it")
+    margin = max(MIN_MARGIN, int(free_bytes * MARGIN_FRACTION))
+    return Budget(max(free_bytes - margin, 0), f"auto: {free_source} {free_bytes / GIB:.2f} GiB "
+                                                f"less a margin of {margin / GIB:.2f} GiB")
+
+
+def _requested(recipe: Recipe) -> dict[str, int | str]:
+    train = recipe.train
+    score = train.score_batch_size
+    if score is None:  # follows trajectory_batch_size: sized on its own when that is auto
+        score = train.trajectory_batch_size
+    return {"generation": recipe.rollout.generation_batch_size, "micro": train.trajectory_batch_size, "score": score}
+
+
+def one_at_a_time(recipe: Recipe) -> Sizes:
+    """The recipe's sizes with every `auto` as 1."""
+    return Sizes(**{name: (value if value != "auto" else 1) for name, value in _requested(recipe).items()})
+
+
+def _by_stage(stages: list[StageEstimate]) -> dict[str, StageEstimate]:
+    return {s.stage: s for s in stages}
+
+
+def _counted(stage: StageEstimate, device: str) -> int:
+    """What the budget limits: allocated tensor bytes on CUDA, the whole process (resident set) on the CPU."""
+    return stage.allocated if device == "cuda" else stage.total
+
+
+def _fit(recipe: Recipe, student: ModelShape, teacher: ModelShape, device: str, dtype: str, optimizer: str,
+         strategy: str, budget: int | None) -> tuple[Sizes, dict[str, bool]]:
+    """The sizes under one strategy: each auto one the largest that fits (1 when none does); whether each fits."""
+    cap = recipe.train.rollouts_per_cycle
+    requested = _requested(recipe)
+    chosen = {name: (value if value != "auto" else 1) for name, value in requested.items()}
+
+    def stage_bytes(name: str, n: int) -> int:
+        sizes = Sizes(**{**chosen, name: n})
+        return _counted(_by_stage(estimate(recipe, student, teacher, device, dtype, optimizer, strategy, sizes))
+                        [_STAGE_OF[name]], device)
+
+    fits: dict[str, bool] = {}
+    for name, value in requested.items():
+        if value != "auto":
+            fits[name] = budget is None or stage_bytes(name, value) <= budget
+            continue
+        if budget is None:
+            chosen[name], fits[name] = 1, True
+            continue
+        lo, hi = 1, cap  # the estimate grows with n: the largest n in [1, cap] that fits
+        if stage_bytes(name, 1) > budget:
+            chosen[name], fits[name] = 1, False
+            continue
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if stage_bytes(name, mid) <= budget else (lo, mid - 1)
+        chosen[name], fits[name] = lo, True
+    return Sizes(**chosen), fits
+
+
+def plan_memory(recipe: Recipe, student: ModelShape, teacher: ModelShape, device: str, dtype: str, optimizer: str,
+                strategy: Resolution, budget: Budget) -> MemoryPlan:
+    """Choose the sizes and the strategy; refuses (RecipeError) what an explicit budget cannot hold."""
+    can_swap = device == "cuda" and recipe.models.runtime == "dual_model"
+    if recipe.memory.strategy == "auto" and can_swap:
+        candidates = ["resident", "swap"]
+    else:
+        candidates = [strategy.value]
+    fitted = {name: _fit(recipe, student, teacher, device, dtype, optimizer, name, budget.bytes) for name in candidates}
+    chosen = candidates[0]
+    strategy_reason = strategy.reason
+    if len(candidates) == 2:
+        (resident, resident_fits), (swap, swap_fits) = fitted["resident"], fitted["swap"]
+        bigger = [name for name in _KEY_OF if getattr(swap, name) > getattr(resident, name)]
+        if all(swap_fits.values()) and (bigger or not all(resident_fits.values())):
+            chosen = "swap"
+            gains = ", ".join(f"{_KEY_OF[n]} {getattr(swap, n)} (resident: {getattr(resident, n)})" for n in bigger)
+            strategy_reason = ("auto: the teacher waits in pinned host memory while the student samples and trains, "
+                               + (f"which fits {gains} in the budget" if gains else "without which a stage does "
+                                  "not fit the budget"))
+        else:
+            strategy_reason = "auto: resident; parking the teacher in host memory would fit no larger batch"
+    sizes, fits = fitted[chosen]
+    stages = estimate(recipe, student, teacher, device, dtype, optimizer, chosen, sizes)
+    by_stage = _by_stage(stages)
+    requested = _requested(recipe)
+    explicit = recipe.memory.budget != "auto"
+    budget_gib = "unknown" if budget.bytes is None else f"{budget.bytes / GIB:.2f} GiB"
+    resolutions = {
+        "memory.budget": Resolution("none" if budget.bytes is None else f"{budget.bytes / GIB:.3f} GiB",
+                                     budget.reason),
+        "memory.strategy": Resolution(chosen, strategy_reason),
+    }
+    for name, key in _KEY_OF.items():
+        value = getattr(sizes, name)
+        need = _counted(by_stage[_STAGE_OF[name]], device) / GIB
+        if requested[name] != "auto":
+            origin = "requested by the recipe" if name != "score" or recipe.train.score_batch_size is not None \
+                else "train.trajectory_batch_size's value"
+            if not fits[name] and explicit:
+                raise RecipeError(f"recipe key {key}: the {_STAGE_OF[name]} stage would need about {need:.2f} GiB "
+                                  f"at {value} and memory.budget is {budget_gib}; lower {key} or set it to auto")
+            reason = f"{origin}; the {_STAGE_OF[name]} stage needs about {need:.2f} GiB of the {budget_gib} budget"
+        elif budget.bytes is None:
+            reason = "auto: no memory figure here, so one at a time"
+        elif not fits[name]:
+            if explicit:
+                raise RecipeError(f"memory.budget: {budget_gib} cannot hold the {_STAGE_OF[name]} stage even at "
+                                  f"{key} 1 (about {need:.2f} GiB); raise it, shorten rollout.max_total_tokens "
+                                  f"or lower loss.chunk_size")
+            reason = (f"auto: 1, though even 1 needs about {need:.2f} GiB, above the {budget_gib} budget "
+                      f"(an out-of-memory error halves loss.chunk_size)")
+        else:
+            limit = "train.rollouts_per_cycle" if value == recipe.train.rollouts_per_cycle else "the budget"
+            reason = f"auto: the {_STAGE_OF[name]} stage needs about {need:.2f} GiB of the {budget_gib} budget " \
+                     f"(the largest that {limit} allows)"
+        resolutions[key] = Resolution(str(value), reason)
+    if explicit:
+        for stage in stages:  # the stages no batch size is planned for
+            if stage.stage not in _STAGE_OF.values() and _counted(stage, device) > budget.bytes:
+                raise RecipeError(f"memory.budget: {budget_gib} cannot hold the {stage.stage} stage (about "
+                                  f"{_counted(stage, device) / GIB:.2f} GiB); raise it")
+    return MemoryPlan(budget, chosen, sizes, resolutions, stages)
+
+
+def recorded_plan(recipe: Recipe, recorded: dict[str, Any], fresh: MemoryPlan) -> MemoryPlan:
+    """The plan a run recorded at preflight (resolved.json's `resolved`); keys it lacks (an older run) from `fresh`."""
+    values: dict[str, Any] = {}
+    resolutions = dict(fresh.resolutions)
+    for key in PLANNED_KEYS:
+        entry = recorded.get(key)
+        if isinstance(entry, dict) and "value" in entry:
+            resolutions[key] = Resolution(entry["value"], entry.get("reason", "recorded"))
+            values[key] = entry["value"]
+    if "train.trajectory_batch_size" not in values:  # a run from before the plan: its recipe's numbers
+        requested = _requested(recipe)
+        values.update({_KEY_OF[n]: v for n, v in requested.items() if v != "auto"})
+    sizes = Sizes(int(values.get("rollout.generation_batch_size", fresh.sizes.generation)),
+                  int(values.get("train.trajectory_batch_size", fresh.sizes.micro)),
+                  int(values.get("train.score_batch_size", fresh.sizes.score)))
+    strategy = str(values.get("memory.strategy", fresh.strategy))
+    return replace_dataclass(fresh, strategy=strategy, sizes=sizes, resolutions=resolutions, stages=[])
+
+
+def plan_for_configs(recipe: Recipe, configs: dict[str, dict[str, Any] | None], device: str, dtype: str,
+                     optimizer: str, strategy: Resolution, free_bytes: int | None, free_source: str) -> MemoryPlan:
+    """`plan_memory` for the located models' configs; a config the estimate cannot read plans one at a time."""
+    from miniverl.engine.models.memory_estimate import model_shape
+
+    budget = budget_of(recipe, free_bytes, free_source)
+    try:
+        student, teacher = (model_shape(configs[role] or {}) for role in ("student", "teacher"))
+    except (KeyError, TypeError, ValueError):
+        requested = _requested(recipe)
+        sizes = one_at_a_time(recipe)
+        note = "no memory estimate for this architecture"
+        resolutions = {"memory.budget": Resolution("none", note), "memory.strategy": strategy,
+                       **{key: Resolution(str(getattr(sizes, n)), "requested by the recipe" if requested[n] != "auto"
+                                          else f"auto: {note}, so one at a time") for n, key in _KEY_OF.items()}}
+        return MemoryPlan(budget, strategy.value, sizes, resolutions, [])
+    return plan_memory(recipe, student, teacher, device, dtype, optimizer, strategy, budget)
