@@ -33,7 +33,7 @@ NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes + 8-bit absma
 FP32 = 4
 # What the process needs besides tensors: the CUDA context, or Python with torch and transformers imported.
 RUNTIME_OVERHEAD = {"cuda": 512 * 2**20, "cpu": 768 * 2**20}
-LOSS_TEMPORARIES = {"exact": 9, "sampled_kl": 6, "topk_tail": 6}  # the unfused loop's float32 [C, V] tensors, measured
+LOSS_TEMPORARIES = {"exact": 9, "sampled_kl": 4, "topk_tail": 4}  # the unfused loop's float32 [C, V] tensors, measured
 SAMPLING_TEMPORARIES = 3  # logits, softmax, sorted copy for top-p
 
 
@@ -263,14 +263,17 @@ def estimate(recipe: Recipe, student: ModelShape, teacher: ModelShape, device: s
 
     def one_layer(shape: ModelShape, batch: int) -> int:
         """A no-grad forward frees each layer's tensors before the next: one layer's worth (the norms'
-        float32 upcasts, q/k/v, the MLP's gate, up, activation and product) and its output."""
-        return batch * tokens * (6 * shape.hidden + 4 * shape.intermediate) * b
+        float32 upcasts, q/k/v and their rotations, the MLP's gate, up, activation and product) and its
+        output. Calibrated on an H200: 170 KB a token for Qwen3-1.7B (16 H + 8 I bytes in bf16 is 164 KB,
+        the workspace term covers the rest; benchmarks/results/cycle_bench_h200.json)."""
+        return batch * tokens * (16 * shape.hidden + 8 * shape.intermediate) * b
 
     def all_layers(shape: ModelShape, batch: int) -> int:
         """A backward needs every layer's inputs: norms, q/k/v, attention output, the MLP's gate, up, product
         and their LoRA intermediates. With gradient checkpointing only each layer's input is kept, plus one
-        layer recomputed at a time. The predicting hidden states and their gradient come on top."""
-        per_token = 6 * shape.hidden + 2 * shape.q_dim + 2 * shape.kv_dim + 8 * shape.intermediate
+        layer recomputed at a time. The predicting hidden states and their gradient come on top.
+        Calibrated on an H200: 164 KB a token for Qwen3-0.6B with checkpointing (this gives 166 KB)."""
+        per_token = 20 * shape.hidden + 2 * shape.q_dim + 2 * shape.kv_dim + 8 * shape.intermediate
         gathered = 3 * shape.hidden
         if train.gradient_checkpointing:
             return batch * tokens * (shape.layers * shape.hidden + per_token + gathered) * b
@@ -279,7 +282,8 @@ def estimate(recipe: Recipe, student: ModelShape, teacher: ModelShape, device: s
     def sampling(shape: ModelShape, batch: int) -> int:
         return batch * shape.vocab * FP32 * SAMPLING_TEMPORARIES
 
-    teacher_chunk = 0 if exact else chunk * teacher.vocab * FP32 * 3
+    # teacher_score's chunk: the bf16 logits and their float32 log-softmax (the float32 upcast is freed into it).
+    teacher_chunk = 0 if exact else chunk * teacher.vocab * (b + FP32)
     # A float32 model's loss logits are float64, from float64 copies of the heads (losses._chunk_logits).
     loss_bytes = 2 * FP32 if b == FP32 else FP32
     head_copies = (student.vocab * student.hidden + (teacher.vocab * teacher.hidden if exact else 0)) * 2 * FP32 \
