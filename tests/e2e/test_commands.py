@@ -329,3 +329,26 @@ def test_progress_bar_shows_its_unit_on_a_terminal_and_nothing_otherwise(monkeyp
     with reporter.bar("cycle 0 rollout", 8, "trajectories") as advance:
         advance(8)
     assert quiet.getvalue() == ""
+
+
+def test_auto_batch_sizes_are_planned_recorded_and_shown_by_the_dry_run(tmp_path):
+    """The plan resolves each `auto` once, in the dry run's words and in resolved.json and the manifest."""
+    sizes = {"train.trajectory_batch_size": "auto", "rollout.generation_batch_size": "auto", "memory.budget": 3}
+    recipe = write_recipe(tmp_path, recipe_dict(**{**SMALL, **sizes, "train.cycles": 1}))
+    dry = miniverl("run", str(recipe), "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    for key in ("memory.budget", "rollout.generation_batch_size", "train.trajectory_batch_size",
+                "train.score_batch_size"):
+        assert any(line.split()[:1] == [key] for line in dry.stdout.splitlines()), (key, dry.stdout)
+    assert "auto: the gradient stage needs about" in dry.stdout
+    runs = tmp_path / "runs"
+    done = miniverl("run", str(recipe), "--run-id", "planned", "--runs-dir", str(runs))
+    assert done.returncode == 0, done.stderr
+    resolved = json.loads((runs / "planned" / "resolved.json").read_text())["resolved"]
+    found = manifest(runs, "planned")
+    for key in ("rollout.generation_batch_size", "train.trajectory_batch_size", "train.score_batch_size"):
+        assert resolved[key]["value"] == "8", (key, resolved[key])  # 8 rollouts a cycle fit 3 GiB here
+        assert found["resolved"][key] == resolved[key]
+    assert resolved["memory.budget"] == {"value": "3.000 GiB", "reason": "requested by the recipe"}
+    assert found["recipe"]["train"]["trajectory_batch_size"] == "auto"  # the recipe as written
+    assert found["cycles"][0]["micro_batches"] == 1
