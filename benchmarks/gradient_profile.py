@@ -369,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     for role in ("student", "teacher"):
         data["models"][role]["path"] = str(dirs[role])
     data["rollout"]["max_total_tokens"] = tokens
+    # Each section sets its own batch sizes; the shipped `auto`s are resolved by a run's plan, not here.
+    data["train"]["trajectory_batch_size"] = data["rollout"]["generation_batch_size"] = 1
+    data["loss"]["chunk_size"] = 16
     data["rollout"]["max_new_tokens_per_turn"] = min(data["rollout"]["max_new_tokens_per_turn"], tokens)
     path = args.work / "calc.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
