@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from miniverl.engine.models.memory_plan import PLANNED_KEYS
 from miniverl.engine.core.artifacts import Resolution
 from miniverl.engine.core.device import (
     check_quantization, resolve_device, resolve_dtype, resolve_memory_strategy, resolve_optimizer,
@@ -176,6 +177,10 @@ def resolved_rows(validation: Validation) -> list[tuple[str, str, str]]:
             resolution = validation.resolved[key]
             shown = f"auto -> {resolution.value}"
             note = resolution.reason
+        elif key == "memory.budget" and value == "auto":
+            note = "the device's free memory less a margin, when the run starts; `--dry-run` shows the figure"
+        elif key in PLANNED_KEYS and value == "auto":  # needs the models' sizes: the dry run computes it
+            note = "planned from memory.budget when the run starts; `miniverl run RECIPE --dry-run` shows the plan"
         rows.append((key, shown, note))
     return rows
 
