@@ -64,3 +64,13 @@ def test_a_missing_required_key_stops_after_the_schema():
 def test_yaml_that_is_not_a_recipe():
     assert validate_text("name: [unclosed", "r.yaml").problems == ["r.yaml: not valid YAML at line 1; fix the syntax"]
     assert "YAML mapping" in validate_text("- a\n- b\n", "r.yaml").problems[0]
+
+
+def test_planned_autos_say_where_they_are_resolved():
+    from miniverl.engine.checks.validate import resolved_rows
+
+    data = recipe_dict(**{**SMALL, "train.trajectory_batch_size": "auto", "memory.budget": "auto"})
+    rows = {key: (value, note) for key, value, note in resolved_rows(validate_text(yaml.safe_dump(data), "r.yaml"))}
+    assert rows["train.trajectory_batch_size"][0] == "auto" and "--dry-run" in rows["train.trajectory_batch_size"][1]
+    assert "free memory less a margin" in rows["memory.budget"][1]
+    assert rows["rollout.generation_batch_size"] == (str(SMALL["rollout.generation_batch_size"]), "")
