@@ -1,0 +1,91 @@
+"""x @ W.T for a bitsandbytes NF4 weight, dequantized in registers: the packed codes are the only copy read.
+
+A building block for the decode kernels of issue 11 (nothing calls it yet:
+it lands with its float64 tests ahead of the engine that will, whose speed is
+to be measured on a GPU). The weight is the very tensor the training step
+uses (`bnb.nn.Params4bit` data and its `QuantState`): no second copy, no
+re-quantization.
+
+bitsandbytes' NF4 layout, for a [N, K] weight flattened row-major: byte i
+holds element 2i in its high nibble and 2i+1 in its low one; each nibble
+indexes the 16-entry NF4 code; every 64 elements share one absmax. With
+double quantization (`compress_statistics`) each absmax is itself a uint8 into
+a 256-entry code, scaled by a float32 per 256 absmaxes, plus an offset:
+
+    W[e] = code[nibble(e)] * absmax(e // 64)
+    absmax(a) = code2[absmax_u8[a]] * absmax2[a // 256] + offset      (nested)
+
+Each program computes BLOCK_N outputs for up to BLOCK_B rows of x: it walks K
+in BLOCK_K steps, splitting x into its even and odd columns so the high and
+low nibbles multiply their own halves. Weights and products stay float32
+(IEEE, not TF32): at decode's batch sizes the step is bound by reading the
+packed bytes, not by arithmetic, and nothing is rounded to bf16 but the output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+QUANT_BLOCK = 64  # elements per absmax: the only NF4 block size this kernel reads
+NESTED_BLOCK = 256  # absmaxes per second-level scale (bitsandbytes' double quantization)
+
+
+@triton.jit
+def _nf4_matvec(x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, code_ptr, offset, y_ptr,
+                B, N, K, stride_xb, stride_yb,
+                NESTED: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features
+    batch = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    half = tl.arange(0, BLOCK_K // 2)
+    row_ok = rows < N
+    batch_ok = batch < B
+    acc = tl.zeros((BLOCK_B, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        col = k0 + 2 * half  # the even column of each byte
+        col_ok = col < K
+        element = rows[:, None].to(tl.int64) * K + col[None, :]  # [BLOCK_N, BLOCK_K / 2]
+        w_ok = row_ok[:, None] & col_ok[None, :]
+        packed = tl.load(packed_ptr + element // 2, mask=w_ok, other=0).to(tl.int32)
+        scale_index = element // 64
+        if NESTED:
+            quantized = tl.load(absmax_ptr + scale_index, mask=w_ok, other=0).to(tl.int32)
+            scale = tl.load(code2_ptr + quantized) * tl.load(absmax2_ptr + scale_index // 256, mask=w_ok, other=0.0)
+            scale = scale + offset
+        else:
+            scale = tl.load(absmax_ptr + scale_index, mask=w_ok, other=0.0)
+        w_even = tl.load(code_ptr + (packed >> 4)) * scale
+        w_odd = tl.load(code_ptr + (packed & 15)) * scale
+        x_ok = batch_ok[:, None] & col_ok[None, :]
+        x_row = x_ptr + batch[:, None].to(tl.int64) * stride_xb + col[None, :]
+        x_even = tl.load(x_row, mask=x_ok, other=0.0).to(tl.float32)
+        x_odd = tl.load(x_row + 1, mask=x_ok & (col[None, :] + 1 < K), other=0.0).to(tl.float32)
+        acc += tl.dot(x_even, tl.trans(w_even), input_precision="ieee")
+        acc += tl.dot(x_odd, tl.trans(w_odd), input_precision="ieee")
+    out = y_ptr + batch[:, None].to(tl.int64) * stride_yb + rows[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=batch_ok[:, None] & row_ok[None, :])
+
+
+def nf4_matvec(x: torch.Tensor, packed: torch.Tensor, state, block_n: int = 64, block_k: int = 128) -> torch.Tensor:
+    """x [B, K] @ W.T -> [B, N] in x's dtype, W the NF4 weight `packed` (uint8) with its bitsandbytes QuantState."""
+    n, k = state.shape
+    if state.blocksize != QUANT_BLOCK or getattr(state, "quant_type", "nf4") != "nf4":
+        raise ValueError(f"needs NF4 with block size {QUANT_BLOCK}; got {state.quant_type} / {state.blocksize}")
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"x must be [B, {k}] with unit column stride; got {tuple(x.shape)}")
+    if packed.dtype != torch.uint8 or packed.numel() * 2 != n * k:
+        raise ValueError(f"packed must hold {n * k // 2} uint8 bytes; got {packed.numel()} {packed.dtype}")
+    nested = bool(state.nested)
+    if nested and state.state2.blocksize != NESTED_BLOCK:
+        raise ValueError(f"needs nested absmax blocks of {NESTED_BLOCK}; got {state.state2.blocksize}")
+    batch = x.shape[0]
+    y = torch.empty((batch, n), dtype=x.dtype, device=x.device)
+    block_b = 16  # tl.dot's smallest M; rows past B are masked
+    absmax2 = state.state2.absmax if nested else state.absmax
+    code2 = state.state2.code if nested else state.code
+    offset = float(state.offset) if nested else 0.0
+    grid = (triton.cdiv(n, block_n), triton.cdiv(batch, block_b))
+    _nf4_matvec[grid](x, packed.view(-1), state.absmax, absmax2, code2, state.code, offset, y, batch, n, k,
+                      x.stride(0), y.stride(0), NESTED=nested, BLOCK_B=block_b, BLOCK_N=block_n, BLOCK_K=block_k)
+    return y
