@@ -78,3 +78,25 @@ def test_refuses_what_it_cannot_read():
         nf4_matvec(torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE), packed, state)
     with pytest.raises(ValueError, match="packed must hold 4096 uint8 bytes"):
         nf4_matvec(torch.zeros(2, 128, dtype=torch.bfloat16, device=DEVICE), packed[:100], state)
+
+
+def test_norm_lora_and_residual_fused_match_float64():
+    """RMSNorm before, LoRA beside, residual after: one kernel against the float64 chain of the three."""
+    n, k, batch, rank, scale, eps = 80, 320, 3, 8, 2.0, 1e-6
+    packed, state = quantized(n, k, True, seed=7)
+    gen = torch.Generator().manual_seed(11)
+
+    def draw(*shape, s=1.0):
+        return (s * torch.randn(*shape, generator=gen)).to(torch.bfloat16).to(DEVICE)
+
+    x, norm, residual = draw(batch, k, s=3.0), draw(k, s=0.5), draw(batch, n, s=3.0)
+    a, b = draw(rank, k, s=0.1), draw(n, rank, s=0.1)
+    y = nf4_matvec(x, packed, state, norm_weight=norm, eps=eps, lora=(a, b, scale), residual=residual)
+    x64 = x.double().cpu()
+    normed = x64 * torch.rsqrt((x64 * x64).mean(-1, keepdim=True) + eps) * norm.double().cpu()
+    want = (residual.double().cpu() + normed @ decoded64(packed, state).T
+            + scale * (normed @ a.double().cpu().T) @ b.double().cpu().T)
+    assert rel(y, want) <= 4e-3
+    # each part matters: without the LoRA term or the residual the result is far off
+    assert rel(y, want - residual.double().cpu()) > 0.1
+    assert rel(y, want - scale * (normed @ a.double().cpu().T) @ b.double().cpu().T) > 1e-2
