@@ -1,0 +1,110 @@
+"""One decode step's attention over the static KV cache, split along the keys (flash-decoding), in Triton.
+
+A building block for the decode kernels of issue 11 (nothing calls it yet;
+its speed is to be measured on a GPU). The cache is the CUDA-graph decoder's
+(`cuda_graph.StaticDecoder`): [slots, kv_heads, max_len, head_dim] for one
+layer, each slot attending to its keys 0..position inclusive, so slots at
+different lengths share one launch and no mask tensor exists.
+
+Pass 1, one program per (slot, kv head, key split): the query heads that
+share the kv head (grouped-query attention) take their scores against the
+split's keys, and keep the split's max, sum of exponentials and weighted
+values. Pass 2, one program per (slot, query head): the splits combined by
+their maxima. With short contexts (704 tokens) and batch 1 there are only
+kv_heads slots x heads of work; the split gives the SMs enough programs.
+All softmax arithmetic is float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _split_attention(q_ptr, k_ptr, v_ptr, positions_ptr, max_ptr, sum_ptr, acc_ptr, scale,
+                     stride_qs, stride_qh, stride_ks, stride_kh, stride_kl, n_splits, split_len,
+                     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr):
+    slot = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    heads = kv_head * GROUP + tl.arange(0, BLOCK_G)
+    head_ok = tl.arange(0, BLOCK_G) < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + slot * stride_qs + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None],
+                other=0.0).to(tl.float32)
+    last = tl.load(positions_ptr + slot)  # keys 0..last are this slot's
+    start = split * split_len
+    stop = tl.minimum(start + split_len, last + 1)
+    running_max = tl.full((BLOCK_G,), -float("inf"), dtype=tl.float32)
+    running_sum = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
+    base = slot * stride_ks + kv_head * stride_kh
+    for l0 in range(start, stop, BLOCK_L):
+        keys = l0 + tl.arange(0, BLOCK_L)
+        key_ok = keys < stop
+        offsets = base + keys[:, None] * stride_kl + dims[None, :]
+        k = tl.load(k_ptr + offsets, mask=key_ok[:, None], other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offsets, mask=key_ok[:, None], other=0.0).to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_L]
+        scores = tl.where(key_ok[None, :], scores, -float("inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        rescale = tl.exp(running_max - new_max)
+        weights = tl.exp(scores - new_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(weights, axis=1)
+        acc = acc * rescale[:, None] + tl.dot(weights, v, input_precision="ieee")
+        running_max = new_max
+    out = (slot * tl.num_programs(1) * GROUP + heads) * n_splits + split  # [slot, head, split]
+    tl.store(max_ptr + out, running_max, mask=head_ok)
+    tl.store(sum_ptr + out, running_sum, mask=head_ok)
+    tl.store(acc_ptr + out[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_ok[:, None])
+
+
+@triton.jit
+def _combine(max_ptr, sum_ptr, acc_ptr, out_ptr, n_splits, stride_os, stride_oh, n_heads,
+             HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+    slot = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    split_ok = splits < n_splits
+    row = (slot * n_heads + head) * n_splits + splits
+    maxima = tl.load(max_ptr + row, mask=split_ok, other=-float("inf"))
+    top = tl.max(maxima, axis=0)
+    # A split past the slot's last key saw nothing: its max is -inf and its weight 0.
+    weight = tl.where(maxima > -float("inf"), tl.exp(maxima - top), 0.0)
+    total = tl.sum(weight * tl.load(sum_ptr + row, mask=split_ok, other=0.0), axis=0)
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.load(acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None], other=0.0)
+    value = tl.sum(weight[:, None] * acc, axis=0) / total
+    tl.store(out_ptr + slot * stride_os + head * stride_oh + dims, value.to(out_ptr.dtype.element_ty))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                     split_len: int = 128, block_l: int = 32) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v per slot over keys 0..positions[slot]: q [S, H, D], caches [S, Hkv, L, D] -> [S, H, D]."""
+    slots, heads, head_dim = q.shape
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[0] != slots or k_cache.shape[3] != head_dim:
+        raise ValueError(f"caches must be [{slots}, kv_heads, max_len, {head_dim}] alike; got {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")
+    kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
+    if heads % kv_heads or head_dim & (head_dim - 1) or q.stride(2) != 1 or k_cache.stride(3) != 1:
+        raise ValueError(f"needs heads ({heads}) a multiple of kv_heads ({kv_heads}), a power-of-two head_dim "
+                         f"({head_dim}) and unit strides on it")
+    if k_cache.stride() != v_cache.stride() or positions.shape != (slots,):
+        raise ValueError("k and v caches must share strides, and positions must hold one entry per slot")
+    group = heads // kv_heads
+    n_splits = triton.cdiv(max_len, split_len)
+    partial = torch.empty((slots, heads, n_splits), dtype=torch.float32, device=q.device)
+    sums = torch.empty_like(partial)
+    acc = torch.empty((slots, heads, n_splits, head_dim), dtype=torch.float32, device=q.device)
+    _split_attention[(slots, kv_heads, n_splits)](
+        q, k_cache, v_cache, positions, partial, sums, acc, 1.0 / math.sqrt(head_dim),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), n_splits, split_len,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_L=block_l)
+    out = torch.empty_like(q)
+    _combine[(slots, heads)](partial, sums, acc, out, n_splits, out.stride(0), out.stride(1), heads,
+                             HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(n_splits))
+    return out

@@ -1,0 +1,62 @@
+"""decode_attention against float64 softmax attention (CPU: Triton's interpreter; CUDA: the GPU)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined (the module's import)
+
+try:
+    import triton  # noqa: F401
+
+    from miniverl.engine.rollout.decode_attention import decode_attention
+except ImportError:
+    decode_attention = None
+
+pytestmark = pytest.mark.skipif(decode_attention is None, reason="needs Triton (the dev extra installs it)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def reference(q, k_cache, v_cache, positions) -> torch.Tensor:
+    """Per slot and head, from the definition, in float64: keys 0..position, the kv head its group shares."""
+    slots, heads, dim = q.shape
+    group = heads // k_cache.shape[1]
+    out = torch.zeros(slots, heads, dim, dtype=torch.float64)
+    for s in range(slots):
+        last = int(positions[s])
+        for h in range(heads):
+            keys = k_cache[s, h // group, : last + 1].double().cpu()
+            values = v_cache[s, h // group, : last + 1].double().cpu()
+            weights = torch.softmax(keys @ q[s, h].double().cpu() / math.sqrt(dim), dim=0)
+            out[s, h] = weights @ values
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (6, 6, 32), (8, 1, 16)], ids=["gqa2", "mha", "mqa8"])
+def test_matches_float64_at_different_positions_per_slot(heads: int, kv_heads: int, dim: int):
+    gen = torch.Generator().manual_seed(heads * dim)
+    slots, max_len = 3, 300  # 3 splits of 128, the last one partial
+    q = torch.randn(slots, heads, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    k = (2 * torch.randn(slots, kv_heads, max_len, dim, generator=gen)).to(torch.bfloat16).to(DEVICE)
+    v = torch.randn(slots, kv_heads, max_len, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    positions = torch.tensor([0, 130, 299], device=DEVICE)  # one key; just past a split; the whole cache
+    got = decode_attention(q, k, v, positions)
+    assert got.shape == q.shape and got.dtype == torch.bfloat16
+    want = reference(q, k, v, positions)
+    assert float((got.double().cpu() - want).norm() / want.norm()) <= 4e-3
+    # keys past a slot's position are never read: changing them changes nothing
+    k2, v2 = k.clone(), v.clone()
+    k2[0, :, 1:], v2[1, :, 131:] = 100.0, -100.0
+    assert torch.equal(decode_attention(q, k2, v2, positions), got)
+
+
+def test_refuses_shapes_it_cannot_read():
+    q = torch.zeros(2, 6, 32, dtype=torch.bfloat16, device=DEVICE)
+    cache = torch.zeros(2, 4, 16, 32, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="a multiple of kv_heads"):
+        decode_attention(q, cache, cache, torch.zeros(2, dtype=torch.long, device=DEVICE))
