@@ -166,7 +166,8 @@ class StaticDecoder:
     slot's next-token logits in `self.logits` (slots, vocab).
     """
 
-    def __init__(self, model: torch.nn.Module, slots: int, max_len: int, use_graph: bool, fuse_weights: bool = True):
+    def __init__(self, model: torch.nn.Module, slots: int, max_len: int, use_graph: bool, fuse_weights: bool = True,
+                 kernels: bool = False):
         causal = base_model(model)
         self.body, self.lm_head, config = causal.model, causal.lm_head, causal.config
         embed = self.body.embed_tokens.weight
@@ -181,6 +182,12 @@ class StaticDecoder:
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.fused_weights = fuse_weights and self._stacked_copy_fits()
         self.layers = [self._plan(layer) for layer in self.body.layers]
+        # kernels: the one-token step through the Triton kernels (fused_step; NF4 students; opt-in, unmeasured).
+        self.fused = None
+        if kernels:
+            from miniverl.engine.rollout.fused_step import plan_layers
+
+            self.fused = plan_layers(self.body, self.dtype, _lora_parts)
         half = self.head_dim // 2
         self.rot_sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)
         self.inputs = torch.zeros(2, slots, dtype=torch.long, device=self.device)  # row 0 token ids, row 1 positions
@@ -239,6 +246,10 @@ class StaticDecoder:
 
     def _decode(self) -> torch.Tensor:
         """One token per slot at its own position; static shapes only, so it can be captured."""
+        if self.fused is not None:
+            from miniverl.engine.rollout.fused_step import decode_step
+
+            return decode_step(self, self.fused)
         tokens_S, positions_S = self.inputs[0], self.inputs[1]
         S, group, D = self.slots, self.heads // self.kv_heads, self.head_dim
         visible_SL = self.key_index[None, :] <= positions_S[:, None]

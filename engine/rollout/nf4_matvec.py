@@ -22,9 +22,11 @@ multiplied by B in the epilogue) and a residual add after it (o_proj, down_proj)
 
 Each program computes BLOCK_N outputs for up to BLOCK_B rows of x: it walks K
 in BLOCK_K steps, splitting x into its even and odd columns so the high and
-low nibbles multiply their own halves. Weights and products stay float32
-(IEEE, not TF32): at decode's batch sizes the step is bound by reading the
-packed bytes, not by arithmetic, and nothing is rounded to bf16 but the output.
+low nibbles multiply their own halves. Weights are rounded to x's dtype as
+bitsandbytes' dequantize rounds them (and a fused RMSNorm rounds as Qwen3's
+does), then multiplied and summed in float32 (IEEE, not TF32: Triton's CPU
+interpreter has no bf16 matmul; on a GPU a bf16 tensor-core dot is the
+obvious next step, to be measured).
 """
 
 from __future__ import annotations
@@ -38,10 +40,21 @@ NESTED_BLOCK = 256  # absmaxes per second-level scale (bitsandbytes' double quan
 
 
 @triton.jit
+def _round(v, BF16: tl.constexpr):
+    """float32 v rounded to the compute dtype (to nearest, ties to even) and back; bf16 by its bits, since
+    Triton's CPU interpreter truncates a bf16 cast where the GPU rounds."""
+    if BF16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return v.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
 def _nf4_matvec(x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, code_ptr, offset, y_ptr,
                 norm_ptr, eps, a_ptr, b_ptr, lora_scale, r, residual_ptr,
                 B, N, K, stride_xb, stride_yb, stride_rb,
-                NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr, RESIDUAL: tl.constexpr,
+                NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr, RESIDUAL: tl.constexpr, BF16: tl.constexpr,
                 BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features
     batch = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -73,14 +86,17 @@ def _nf4_matvec(x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, code_ptr,
             scale = scale + offset
         else:
             scale = tl.load(absmax_ptr + scale_index, mask=w_ok, other=0.0)
-        w_even = tl.load(code_ptr + (packed >> 4)) * scale
-        w_odd = tl.load(code_ptr + (packed & 15)) * scale
+        # Rounded to x's dtype as bitsandbytes' dequantize rounds them: the same weights its matmul uses.
+        w_even = _round(tl.load(code_ptr + (packed >> 4)) * scale, BF16)
+        w_odd = _round(tl.load(code_ptr + (packed & 15)) * scale, BF16)
         x_ok = batch_ok[:, None] & col_ok[None, :]
         x_even = tl.load(x_base + col[None, :], mask=x_ok, other=0.0).to(tl.float32)
         x_odd = tl.load(x_base + col[None, :] + 1, mask=x_ok & odd_ok[None, :], other=0.0).to(tl.float32)
-        if NORM:
-            x_even = x_even * inv_rms[:, None] * tl.load(norm_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            x_odd = x_odd * inv_rms[:, None] * tl.load(norm_ptr + col + 1, mask=odd_ok, other=0.0).to(tl.float32)[None, :]
+        if NORM:  # as Qwen3RMSNorm rounds: normalized x to x's dtype, then times the weight, rounded again
+            g_even = tl.load(norm_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            g_odd = tl.load(norm_ptr + col + 1, mask=odd_ok, other=0.0).to(tl.float32)[None, :]
+            x_even = _round(_round(x_even * inv_rms[:, None], BF16) * g_even, BF16)
+            x_odd = _round(_round(x_odd * inv_rms[:, None], BF16) * g_odd, BF16)
         acc += tl.dot(x_even, tl.trans(w_even), input_precision="ieee")
         acc += tl.dot(x_odd, tl.trans(w_odd), input_precision="ieee")
         if LORA:  # A is [r, K]: its even and odd columns meet x's
@@ -113,8 +129,8 @@ def nf4_matvec(x: torch.Tensor, packed: torch.Tensor, state, *, norm_weight: tor
     n, k = state.shape
     if state.blocksize != QUANT_BLOCK or getattr(state, "quant_type", "nf4") != "nf4":
         raise ValueError(f"needs NF4 with block size {QUANT_BLOCK}; got {state.quant_type} / {state.blocksize}")
-    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
-        raise ValueError(f"x must be [B, {k}] with unit column stride; got {tuple(x.shape)}")
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be bf16 or fp16 [B, {k}] with unit column stride; got {tuple(x.shape)} {x.dtype}")
     if packed.dtype != torch.uint8 or packed.numel() * 2 != n * k:
         raise ValueError(f"packed must hold {n * k // 2} uint8 bytes; got {packed.numel()} {packed.dtype}")
     nested = bool(state.nested)
@@ -146,5 +162,6 @@ def nf4_matvec(x: torch.Tensor, packed: torch.Tensor, state, *, norm_weight: tor
         float(lora_scale), rank, unused if residual is None else residual,
         batch, n, k, x.stride(0), y.stride(0), 0 if residual is None else residual.stride(0),
         NESTED=nested, NORM=norm_weight is not None, LORA=lora is not None, RESIDUAL=residual is not None,
+        BF16=x.dtype == torch.bfloat16,
         BLOCK_B=block_b, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, triton.next_power_of_2(max(rank, 1))))
     return y

@@ -4,7 +4,8 @@ The weights are quantized by bitsandbytes itself, single and double
 quantized. The float64 reference decodes the packed bytes from the layout's
 definition, and that decoding is first checked against bitsandbytes'
 `dequantize_4bit`, so the kernel is held to bitsandbytes' format, not to a
-reading of it that only the kernel shares.
+reading of it that only the kernel shares; like bitsandbytes' matmul, it then
+uses the weights rounded to bf16.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ def decoded64(packed: torch.Tensor, state) -> torch.Tensor:
     return (state.code.cpu().double()[nibbles] * absmax.repeat_interleave(64)).view(*state.shape)
 
 
+def as_used(weight64: torch.Tensor) -> torch.Tensor:
+    """The weight as bitsandbytes' matmul uses it: dequantized, rounded to the compute dtype (bf16)."""
+    return weight64.to(torch.bfloat16).double()
+
+
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double().cpu() - want).norm() / want.norm())
 
@@ -68,13 +74,13 @@ def test_matches_float64(nested: bool, n: int, k: int, batch: int):
     x = torch.randn(batch, k, generator=gen).to(torch.bfloat16).to(DEVICE)
     y = nf4_matvec(x, packed, state)
     assert y.shape == (batch, n) and y.dtype == torch.bfloat16
-    want = x.double().cpu() @ decoded64(packed, state).T
+    want = x.double().cpu() @ as_used(decoded64(packed, state)).T
     assert rel(y, want) <= 4e-3  # the output's bf16 rounding; the arithmetic is float32
 
 
 def test_refuses_what_it_cannot_read():
     packed, state = quantized(64, 128, True)
-    with pytest.raises(ValueError, match=r"x must be \[B, 128\]"):
+    with pytest.raises(ValueError, match=r"x must be bf16 or fp16 \[B, 128\]"):
         nf4_matvec(torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE), packed, state)
     with pytest.raises(ValueError, match="packed must hold 4096 uint8 bytes"):
         nf4_matvec(torch.zeros(2, 128, dtype=torch.bfloat16, device=DEVICE), packed[:100], state)
@@ -93,8 +99,10 @@ def test_norm_lora_and_residual_fused_match_float64():
     a, b = draw(rank, k, s=0.1), draw(n, rank, s=0.1)
     y = nf4_matvec(x, packed, state, norm_weight=norm, eps=eps, lora=(a, b, scale), residual=residual)
     x64 = x.double().cpu()
-    normed = x64 * torch.rsqrt((x64 * x64).mean(-1, keepdim=True) + eps) * norm.double().cpu()
-    want = (residual.double().cpu() + normed @ decoded64(packed, state).T
+    # Qwen3RMSNorm's roundings: the normalized x to bf16, then times the weight, to bf16 again.
+    normed = (x64 * torch.rsqrt((x64 * x64).mean(-1, keepdim=True) + eps)).to(torch.bfloat16).double()
+    normed = (normed * norm.double().cpu()).to(torch.bfloat16).double()
+    want = (residual.double().cpu() + normed @ as_used(decoded64(packed, state)).T
             + scale * (normed @ a.double().cpu().T) @ b.double().cpu().T)
     assert rel(y, want) <= 4e-3
     # each part matters: without the LoRA term or the residual the result is far off

@@ -1,0 +1,112 @@
+"""StaticDecoder(kernels=True) against the module-by-module step, on an NF4 Qwen3 with a non-zero LoRA adapter.
+
+CPU: bitsandbytes quantizes the tiny model's projections to NF4 here, and the
+Triton kernels run under the interpreter. Both decoders prefill the same
+prompts into slots at different lengths, then take the same greedy tokens;
+every step's logits must agree with a full forward pass of the peft model (and
+with the module step) to bf16 rounding, and differ from those of the same model
+without its adapter (so the tolerance can tell LoRA from no LoRA).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined (their modules' import)
+
+try:
+    import triton  # noqa: F401
+
+    from miniverl.engine.rollout import fused_step  # noqa: F401
+except ImportError:
+    fused_step = None
+
+bnb = pytest.importorskip("bitsandbytes")
+pytestmark = pytest.mark.skipif(fused_step is None, reason="needs Triton (the dev extra installs it)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def nf4_model(seed: int = 0):
+    """A 2-layer Qwen3 (GQA 4/2, head_dim 16) in bf16 with every projection an NF4 Linear4bit."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    for layer in model.model.layers:
+        for owner in (layer.self_attn, layer.mlp):
+            for name in PROJECTIONS:
+                dense = getattr(owner, name, None)
+                if dense is None:
+                    continue
+                quantized = bnb.nn.Linear4bit(dense.in_features, dense.out_features, bias=False,
+                                              compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=True)
+                quantized.weight = bnb.nn.Params4bit(dense.weight.data.clone(), requires_grad=False, quant_type="nf4",
+                                                     compress_statistics=True)
+                setattr(owner, name, quantized.to(DEVICE))
+    return model.to(DEVICE)
+
+
+def with_lora(model, seed: int = 7):
+    from miniverl.engine.core.recipe import LoraSpec
+    from miniverl.engine.models.loading import attach_lora
+
+    model = attach_lora(model, LoraSpec(r=8, alpha=16.0), seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return model.eval()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@torch.no_grad()
+def test_kernel_step_matches_the_module_step():
+    from miniverl.engine.rollout.cuda_graph import StaticDecoder
+
+    model = with_lora(nf4_model())
+    plain = StaticDecoder(model, slots=3, max_len=64, use_graph=False)
+    fused = StaticDecoder(model, slots=3, max_len=64, use_graph=False, kernels=True)
+    assert plain.fused is None and fused.fused is not None
+    prompts = [[5, 9, 17, 33], [7, 1], [60, 61, 62, 63, 64, 65, 66]]  # different lengths per slot
+    for decoder in (plain, fused):
+        decoder.prefill([0, 1, 2], prompts)
+    positions = [len(p) for p in prompts]
+    tokens = plain.logits.argmax(-1).tolist()
+    with model.disable_adapter():
+        bare = StaticDecoder(model, slots=3, max_len=64, use_graph=False)
+        bare.prefill([0, 1, 2], prompts)
+    sequences = [list(p) for p in prompts]
+    for _ in range(6):
+        for decoder in (plain, fused, bare):
+            decoder.step(tokens, positions)
+        for sequence, token in zip(sequences, tokens):
+            sequence.append(token)
+        # The reference: a full forward of the peft model over each slot's whole sequence.
+        full = torch.stack([model(input_ids=torch.tensor([s], device=DEVICE)).logits[0, -1] for s in sequences])
+        gap = rel(fused.logits, full)
+        assert gap <= 2e-2 and rel(fused.logits, plain.logits) <= 2e-2, gap
+        assert gap <= 2 * rel(plain.logits, full) + 5e-3  # no further from the full forward than the module step
+        assert rel(bare.logits, plain.logits) > 5 * gap  # the adapter's effect is far above the tolerance
+        tokens, positions = plain.logits.argmax(-1).tolist(), [p + 1 for p in positions]
+
+
+def test_a_dense_model_is_refused_by_name():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from miniverl.engine.rollout.cuda_graph import StaticDecoder
+
+    config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match="is not a bias-free NF4 layer"):
+        StaticDecoder(Qwen3ForCausalLM(config).to(DEVICE), slots=1, max_len=16, use_graph=False, kernels=True)
