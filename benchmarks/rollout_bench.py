@@ -177,6 +177,19 @@ def bench_batch(model, label, batch, args, bandwidth):
         row["graph_step_ms"] = replay_ms(decoder)
         row["graph_bw_fraction"] = bytes_step / (row["graph_step_ms"] / 1e3) / bandwidth
     del decoder
+    if args.kernels and label == "nf4":  # the Triton decode step (engine/rollout/fused_step.py), same prompts
+        fused = StaticDecoder(model, batch, args.prompt_tokens + args.new_tokens, use_graph=True, kernels=True)
+        engine_generate(fused, prompts, 4)
+        fused_out, t_fused = timed(lambda: engine_generate(fused, prompts, args.new_tokens))
+        row.update(kernels_mode=fused.mode, kernels_step_ms=1e3 * t_fused / args.new_tokens,
+                   kernels_greedy_common_prefix_mean=statistics.mean(
+                       common_prefix(a, b) for a, b in zip(engine_out, fused_out)))
+        if batch == 8:
+            row["kernels_gpu_ops_per_step"] = kernels_per_step(fused)
+        if fused.graph is not None:
+            row["kernels_graph_step_ms"] = replay_ms(fused)
+            row["kernels_graph_bw_fraction"] = bytes_step / (row["kernels_graph_step_ms"] / 1e3) / bandwidth
+        del fused
     torch.cuda.empty_cache()
     return row
 
@@ -238,6 +251,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--weights", nargs="+", default=["bf16", "nf4"])
     parser.add_argument("--rollout-tasks", type=int, default=64)
+    parser.add_argument("--kernels", action="store_true",
+                        help="also time the NF4 decode step through the Triton kernels (StaticDecoder(kernels=True))")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("rollout_bench needs a CUDA device")
