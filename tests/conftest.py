@@ -19,12 +19,17 @@ E2E = Path(__file__).parent / "e2e"
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under xdist there is a worker per core: each worker, and each `miniverl` it starts, takes one
-    thread. Two-thread torch processes sharing two cores spin against each other and run 5-10x slower."""
+    thread. Two-thread torch processes sharing two cores spin against each other and run 5-10x slower.
+
+    Without CUDA, the Triton kernels' tests run them under Triton's interpreter: TRITON_INTERPRET is
+    read when a kernel is defined, so it is set here, before any test module imports one."""
+    import torch
+
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        import torch
-
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,8 +1,8 @@
 """The fused `exact` loss (engine/distill/fused_exact.py) against float64 references written from the definitions.
 
 On a CUDA machine these run the Triton kernels on the GPU; without CUDA they run
-the same kernels under Triton's interpreter (TRITON_INTERPRET=1, set here before
-the kernels are defined), so CI checks them on every commit. Skipped only where
+the same kernels under Triton's interpreter (TRITON_INTERPRET=1, which
+tests/conftest.py sets before any kernel is defined), so CI checks them on every commit. Skipped only where
 Triton is not installed (it comes with the `dev` extra and with CUDA builds of
 PyTorch).
 
@@ -16,25 +16,14 @@ number of rows) so the masks and the padded-row rule are exercised.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined (fused_exact's import)
+from miniverl.engine.distill.losses import LossSpec, PositionTargets, chunked_loss_backward
 
-from miniverl.engine.distill.losses import LossSpec, PositionTargets, chunked_loss_backward  # noqa: E402
-
-try:
-    import triton  # noqa: F401
-
-    HAVE_TRITON = True
-except ImportError:
-    HAVE_TRITON = False
-
+pytest.importorskip("triton", reason="needs Triton (the dev extra installs it)")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton (the dev extra installs it)")
 
 N, H, H_T = 37, 32, 48
 V, V_PAD, V_PAD_T = 9001, 9216, 9088  # 3 blocks of 4096; padded rows differ between the heads

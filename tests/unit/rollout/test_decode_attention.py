@@ -3,22 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined (the module's import)
+pytest.importorskip("triton", reason="needs Triton (the dev extra installs it)")
+from miniverl.engine.rollout.decode_attention import decode_attention  # noqa: E402
 
-try:
-    import triton  # noqa: F401
-
-    from miniverl.engine.rollout.decode_attention import decode_attention
-except ImportError:
-    decode_attention = None
-
-pytestmark = pytest.mark.skipif(decode_attention is None, reason="needs Triton (the dev extra installs it)")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

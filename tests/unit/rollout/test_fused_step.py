@@ -10,23 +10,11 @@ without its adapter (so the tolerance can tell LoRA from no LoRA).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined (their modules' import)
-
-try:
-    import triton  # noqa: F401
-
-    from miniverl.engine.rollout import fused_step  # noqa: F401
-except ImportError:
-    fused_step = None
-
+pytest.importorskip("triton", reason="needs Triton (the dev extra installs it)")
 bnb = pytest.importorskip("bitsandbytes")
-pytestmark = pytest.mark.skipif(fused_step is None, reason="needs Triton (the dev extra installs it)")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

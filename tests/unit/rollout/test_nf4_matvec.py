@@ -10,23 +10,13 @@ uses the weights rounded to bf16.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel is defined (the module's import)
-
-try:
-    import triton  # noqa: F401
-
-    from miniverl.engine.rollout.nf4_matvec import nf4_matvec
-except ImportError:
-    nf4_matvec = None
-
+pytest.importorskip("triton", reason="needs Triton (the dev extra installs it)")
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
-pytestmark = pytest.mark.skipif(nf4_matvec is None, reason="needs Triton (the dev extra installs it)")
+from miniverl.engine.rollout.nf4_matvec import nf4_matvec  # noqa: E402
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
