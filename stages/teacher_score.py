@@ -34,8 +34,7 @@ def score(recipe: Recipe, host: ModelHost, rollout: Rollout, reporter: Reporter)
     mode, chunk = recipe.loss.mode, recipe.loss.chunk_size
     pad_id = host.tokenizer.pad_token_id
     outputs: dict[str, list[torch.Tensor]] = {}
-    train = recipe.train
-    batches = micro_batches(rollout.trajectories, train.score_batch_size or train.trajectory_batch_size)
+    batches = micro_batches(rollout.trajectories, recipe.train.score_batch)
     with reporter.bar(f"cycle {rollout.cycle} teacher-score", len(rollout.trajectories), "trajectories") as advance:
         for batch in batches:
             hidden_NH, tokens_N = predicting_hidden(body, batch, pad_id, host.device)

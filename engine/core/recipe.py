@@ -127,6 +127,11 @@ class TrainSpec(_Strict):
     # keeping its activations: less memory, one more forward; same gradient.
     gradient_checkpointing: bool = False
 
+    @property
+    def score_batch(self) -> int | str:
+        """The teacher-score micro-batch: score_batch_size, else trajectory_batch_size's value."""
+        return self.trajectory_batch_size if self.score_batch_size is None else self.score_batch_size
+
 
 class RolloutSpec(_Strict):
     max_turns: TurnCount = 3

@@ -141,16 +141,3 @@ class ModelHost:
             self._weights(other).release()
         if not is_quantized(wanted) and id(wanted) in self._parked:
             self._parked[id(wanted)].restore()
-
-    def resident_weight_bytes(self) -> int:
-        """Bytes of model parameters on the compute device now (parked ones excluded)."""
-        total = 0
-        for model in (self._student, None if self.shared else self._teacher):
-            if model is None:
-                continue
-            if id(model) in self._parked:
-                total += self._parked[id(model)].resident_bytes() + sum(
-                    p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-            else:
-                total += sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "cpu")
-        return total

@@ -209,9 +209,7 @@ class Sizes:
 
 def recipe_sizes(recipe: Recipe) -> Sizes:
     """The recipe's own sizes (every `auto` already resolved)."""
-    train = recipe.train
-    score = train.trajectory_batch_size if train.score_batch_size is None else train.score_batch_size
-    return Sizes(recipe.rollout.generation_batch_size, train.trajectory_batch_size, score)
+    return Sizes(recipe.rollout.generation_batch_size, recipe.train.trajectory_batch_size, recipe.train.score_batch)
 
 
 # cuBLAS workspaces, CUDA-graph pools, index and mask tensors, allocator rounding: measured 0.1 GiB

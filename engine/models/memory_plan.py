@@ -28,7 +28,7 @@ from miniverl.engine.core import layout
 from miniverl.engine.core.artifacts import Resolution
 from miniverl.engine.core.errors import RecipeError
 from miniverl.engine.core.recipe import Recipe
-from miniverl.engine.models.memory_estimate import ModelShape, Sizes, StageEstimate, estimate
+from miniverl.engine.models.memory_estimate import ModelShape, Sizes, StageEstimate, estimate, model_shape
 
 GIB = 2**30
 MIN_MARGIN = 256 * 2**20
@@ -76,11 +76,9 @@ def budget_of(recipe: Recipe, free_bytes: int | None, free_source: str) -> Budge
 
 
 def _requested(recipe: Recipe) -> dict[str, int | str]:
-    train = recipe.train
-    score = train.score_batch_size
-    if score is None:  # follows trajectory_batch_size: sized on its own when that is auto
-        score = train.trajectory_batch_size
-    return {"generation": recipe.rollout.generation_batch_size, "micro": train.trajectory_batch_size, "score": score}
+    # score follows trajectory_batch_size when unset: sized on its own when that is auto
+    return {"generation": recipe.rollout.generation_batch_size, "micro": recipe.train.trajectory_batch_size,
+            "score": recipe.train.score_batch}
 
 
 def one_at_a_time(recipe: Recipe) -> Sizes:
@@ -213,8 +211,6 @@ def recorded_plan(recipe: Recipe, recorded: dict[str, Any], fresh: MemoryPlan) -
 def plan_for_configs(recipe: Recipe, configs: dict[str, dict[str, Any] | None], device: str, dtype: str,
                      optimizer: str, strategy: Resolution, free_bytes: int | None, free_source: str) -> MemoryPlan:
     """`plan_memory` for the located models' configs; a config the estimate cannot read plans one at a time."""
-    from miniverl.engine.models.memory_estimate import model_shape
-
     budget = budget_of(recipe, free_bytes, free_source)
     try:
         student, teacher = (model_shape(configs[role] or {}) for role in ("student", "teacher"))
