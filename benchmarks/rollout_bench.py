@@ -150,6 +150,17 @@ def common_prefix(a, b):
     return n
 
 
+def graph_figures(decoder: StaticDecoder, batch: int, bytes_step: float, bandwidth: float, prefix: str = "") -> dict:
+    """GPU operations per step (at batch 8) and the replayed graph's step time and bandwidth fraction."""
+    row = {}
+    if batch == 8:
+        row[f"{prefix}gpu_ops_per_step"] = kernels_per_step(decoder)
+    if decoder.graph is not None:
+        row[f"{prefix}graph_step_ms"] = replay_ms(decoder)
+        row[f"{prefix}graph_bw_fraction"] = bytes_step / (row[f"{prefix}graph_step_ms"] / 1e3) / bandwidth
+    return row
+
+
 def bench_batch(model, label, batch, args, bandwidth):
     gen = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, 151936, (batch, args.prompt_tokens), generator=gen).tolist()
@@ -171,11 +182,7 @@ def bench_batch(model, label, batch, args, bandwidth):
         plain_bw_fraction=bytes_step / (t_plain / args.new_tokens) / bandwidth,
         greedy_common_prefix_mean=statistics.mean(common_prefix(a, b) for a, b in zip(plain_out, engine_out)),
     )
-    if batch == 8:
-        row["gpu_ops_per_step"] = kernels_per_step(decoder)
-    if decoder.graph is not None:
-        row["graph_step_ms"] = replay_ms(decoder)
-        row["graph_bw_fraction"] = bytes_step / (row["graph_step_ms"] / 1e3) / bandwidth
+    row.update(graph_figures(decoder, batch, bytes_step, bandwidth))
     del decoder
     if args.kernels and label == "nf4":  # the Triton decode step (engine/rollout/fused_step.py), same prompts
         fused = StaticDecoder(model, batch, args.prompt_tokens + args.new_tokens, use_graph=True, kernels=True)
@@ -184,11 +191,7 @@ def bench_batch(model, label, batch, args, bandwidth):
         row.update(kernels_mode=fused.mode, kernels_step_ms=1e3 * t_fused / args.new_tokens,
                    kernels_greedy_common_prefix_mean=statistics.mean(
                        common_prefix(a, b) for a, b in zip(engine_out, fused_out)))
-        if batch == 8:
-            row["kernels_gpu_ops_per_step"] = kernels_per_step(fused)
-        if fused.graph is not None:
-            row["kernels_graph_step_ms"] = replay_ms(fused)
-            row["kernels_graph_bw_fraction"] = bytes_step / (row["kernels_graph_step_ms"] / 1e3) / bandwidth
+        row.update(graph_figures(fused, batch, bytes_step, bandwidth, prefix="kernels_"))
         del fused
     torch.cuda.empty_cache()
     return row
