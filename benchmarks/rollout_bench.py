@@ -184,7 +184,7 @@ def bench_batch(model, label, batch, args, bandwidth):
     )
     row.update(graph_figures(decoder, batch, bytes_step, bandwidth))
     del decoder
-    if args.kernels and label == "nf4":  # the Triton decode step (engine/rollout/fused_step.py), same prompts
+    if args.kernels:  # the Triton decode step (engine/rollout/fused_step.py), same prompts
         fused = StaticDecoder(model, batch, args.prompt_tokens + args.new_tokens, use_graph=True, kernels=True)
         engine_generate(fused, prompts, 4)
         fused_out, t_fused = timed(lambda: engine_generate(fused, prompts, args.new_tokens))
@@ -255,7 +255,7 @@ def main() -> None:
     parser.add_argument("--weights", nargs="+", default=["bf16", "nf4"])
     parser.add_argument("--rollout-tasks", type=int, default=64)
     parser.add_argument("--kernels", action="store_true",
-                        help="also time the NF4 decode step through the Triton kernels (StaticDecoder(kernels=True))")
+                        help="also time the decode step through the Triton kernels (StaticDecoder(kernels=True))")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("rollout_bench needs a CUDA device")

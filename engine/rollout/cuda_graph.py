@@ -182,14 +182,15 @@ class StaticDecoder:
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.fused_weights = fuse_weights and self._stacked_copy_fits()
         self.layers = [self._plan(layer) for layer in self.body.layers]
-        # kernels: the one-token step through the Triton kernels (fused_step; NF4 students; opt-in, unmeasured).
-        self.fused = None
-        if kernels:
-            from miniverl.engine.rollout.fused_step import plan_layers
-
-            self.fused = plan_layers(self.body, self.dtype, _lora_parts)
         half = self.head_dim // 2
         self.rot_sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)
+        # kernels: the one-token step through the Triton kernels (fused_step: NF4 or half-precision bases).
+        self.fused = None
+        if kernels:
+            from miniverl.engine.rollout.fused_step import plan_layers, rotary_tables
+
+            self.fused = plan_layers(self.body, self.dtype, _lora_parts)
+            self.rotary = rotary_tables(self.body, self.max_len, self.rot_sign)
         self.inputs = torch.zeros(2, slots, dtype=torch.long, device=self.device)  # row 0 token ids, row 1 positions
         self.slot_index = torch.arange(slots, device=self.device)
         self.key_index = torch.arange(self.max_len, device=self.device)

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from miniverl.engine.rollout.decode_projection import round_to_dtype
+
 
 @triton.jit
 def _split_attention(q_ptr, k_ptr, v_ptr, positions_ptr, max_ptr, sum_ptr, acc_ptr, scale,
@@ -80,6 +82,67 @@ def _combine(max_ptr, sum_ptr, acc_ptr, out_ptr, n_splits, stride_os, stride_oh,
     acc = tl.load(acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None], other=0.0)
     value = tl.sum(weight[:, None] * acc, axis=0) / total
     tl.store(out_ptr + slot * stride_os + head * stride_oh + dims, value.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _qk_norm_rope_append(qkv_ptr, stride_qkv, q_weight_ptr, k_weight_ptr, eps, cos_ptr, sin_ptr, positions_ptr,
+                         q_ptr, stride_qs, k_cache_ptr, v_cache_ptr, stride_ks, stride_kh, stride_kl,
+                         N_Q: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BF16: tl.constexpr):
+    slot = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)  # q heads, then k heads, then v heads, as the qkv projection lays them out
+    dims = tl.arange(0, HEAD_DIM)
+    partner = (dims + HEAD_DIM // 2) % HEAD_DIM  # rotate_half pairs d with d + D/2 (its sign is in the sin table)
+    row = qkv_ptr + slot * stride_qkv + head * HEAD_DIM
+    position = tl.load(positions_ptr + slot)
+    kv_offset = slot * stride_ks + position * stride_kl
+    if head < N_Q + N_KV:
+        x = tl.load(row + dims).to(tl.float32)
+        x_partner = tl.load(row + partner).to(tl.float32)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+        if head < N_Q:
+            weight_ptr = q_weight_ptr
+        else:
+            weight_ptr = k_weight_ptr
+        # q_norm / k_norm as Qwen3RMSNorm rounds (normalized, rounded, times the weight, rounded), then the
+        # rotary embedding as the module step computes it: round(round(x * cos) + partner * sin).
+        x = round_to_dtype(round_to_dtype(x * inv_rms, BF16) * tl.load(weight_ptr + dims).to(tl.float32), BF16)
+        x_partner = round_to_dtype(round_to_dtype(x_partner * inv_rms, BF16) * tl.load(weight_ptr + partner).to(tl.float32), BF16)
+        cos = tl.load(cos_ptr + position * HEAD_DIM + dims).to(tl.float32)
+        sin = tl.load(sin_ptr + position * HEAD_DIM + dims).to(tl.float32)
+        rotated = round_to_dtype(x * cos, BF16) + x_partner * sin
+        if head < N_Q:
+            tl.store(q_ptr + slot * stride_qs + head * HEAD_DIM + dims, rotated.to(q_ptr.dtype.element_ty))
+        else:
+            tl.store(k_cache_ptr + kv_offset + (head - N_Q) * stride_kh + dims,
+                     rotated.to(k_cache_ptr.dtype.element_ty))
+    else:
+        tl.store(v_cache_ptr + kv_offset + (head - N_Q - N_KV) * stride_kh + dims, tl.load(row + dims))
+
+
+def qk_norm_rope_append(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                        cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor) -> torch.Tensor:
+    """From the qkv projection's output [S, (H + 2 Hkv) D]: q_norm and k_norm, the rotary embedding at each slot's
+    position, the new key and value written into the caches [S, Hkv, L, D] there; returns q [S, H, D].
+
+    `cos` and `sin` are [L, D] tables in the compute dtype, as the model's rotary embedding gives them for
+    positions 0..L-1, with rotate_half's sign folded into `sin` (its first half negated).
+    """
+    slots, width = qkv.shape
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    heads = width // head_dim - 2 * kv_heads
+    if heads <= 0 or width % head_dim or qkv.stride(1) != 1 or k_cache.stride() != v_cache.stride() \
+            or k_cache.shape[0] != slots or k_cache.stride(3) != 1 or head_dim & (head_dim - 1):
+        raise ValueError(f"qkv [{slots}, {width}] does not match caches {tuple(k_cache.shape)}")
+    if cos.shape != (k_cache.shape[2], head_dim) or sin.shape != cos.shape or not (cos.is_contiguous()
+                                                                                     and sin.is_contiguous()):
+        raise ValueError(f"cos and sin must be contiguous [{k_cache.shape[2]}, {head_dim}]; got {tuple(cos.shape)}")
+    q = torch.empty((slots, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    _qk_norm_rope_append[(slots, heads + 2 * kv_heads)](
+        qkv, qkv.stride(0), q_weight, k_weight, eps, cos, sin, positions, q, q.stride(0), k_cache, v_cache,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        N_Q=heads, N_KV=kv_heads, HEAD_DIM=head_dim, BF16=qkv.dtype == torch.bfloat16)
+    return q
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,

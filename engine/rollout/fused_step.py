@@ -1,17 +1,17 @@
-"""The decode step through the Triton kernels, for an NF4 student with LoRA: `StaticDecoder(kernels=True)`.
+"""The decode step through the Triton kernels: `StaticDecoder(kernels=True)`, seven launches per layer.
 
-Per layer, instead of the module-by-module step (`StaticDecoder._layers`):
-- q, k and v: `nf4_matvec` each, the input RMSNorm and the LoRA adapter fused in;
-- q_norm, k_norm and the rotary embedding as the module step computes them;
-- the new key and value written at each slot's position, then `decode_attention`
-  over the static cache (no mask tensor);
-- o_proj with its LoRA and the residual add fused; gate and up with the
-  post-attention RMSNorm and LoRA fused; down_proj with LoRA and the residual.
-
-Opt-in and not yet used by any recipe: its correctness is tested against the
-module step (tests/unit/rollout/test_fused_step.py, Triton's interpreter on
-the CPU); its speed is to be measured on a GPU before the engine chooses it.
-Only NF4 bases with one plain LoRA adapter (or none) are covered.
+Per layer, instead of the module-by-module step (`StaticDecoder._layers`, ~29 GPU operations):
+1. `project(h, [q, k, v], norm=input_layernorm)`: the input RMSNorm, the three
+   projections and their LoRA adapters into one [S, (H + 2 Hkv) D] row;
+2. `qk_norm_rope_append`: q_norm and k_norm, the rotary embedding at each
+   slot's position, the new key and value written into the static cache;
+3-4. `decode_attention` (split-key, then the splits combined);
+5. `project(attended, [o], residual=h)`;
+6. `project(h, [gate, up], norm=post_attention_layernorm, silu_mul=True)`;
+7. `project(act, [down], residual=h)`.
+Then the final norm and the LM head (one cuBLAS GEMV) as the module step
+runs them. The bases are NF4 (bitsandbytes, read in place) or bf16/fp16
+linears, each with one plain LoRA adapter or none (all seven alike).
 """
 
 from __future__ import annotations
@@ -19,53 +19,60 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from miniverl.engine.rollout.decode_attention import decode_attention
-from miniverl.engine.rollout.nf4_matvec import QUANT_BLOCK, nf4_matvec
+from miniverl.engine.rollout.decode_attention import decode_attention, qk_norm_rope_append
+from miniverl.engine.rollout.decode_projection import Weight, project
 
 
-class _NF4Projection:
-    def __init__(self, base: torch.nn.Module, a: torch.Tensor | None, b: torch.Tensor | None):
-        state = getattr(base.weight, "quant_state", None)
-        if state is None or state.quant_type != "nf4" or state.blocksize != QUANT_BLOCK or base.bias is not None:
-            raise ValueError(f"{type(base).__name__} is not a bias-free NF4 layer with {QUANT_BLOCK}-element blocks")
-        self.packed, self.state = base.weight, state
-        # B arrives scaled by the adapter's alpha / r (cuda_graph._lora_parts).
-        self.lora = None if a is None else (a.contiguous(), b.contiguous(), 1.0)
-
-    def __call__(self, x: torch.Tensor, norm: torch.nn.Module | None = None,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        return nf4_matvec(x, self.packed, self.state, lora=self.lora, residual=residual,
-                          norm_weight=None if norm is None else norm.weight,
-                          eps=1e-6 if norm is None else norm.variance_epsilon)
-
-
-def plan_layers(body: torch.nn.Module, dtype: torch.dtype, lora_parts) -> list[dict[str, _NF4Projection]]:
-    """Each layer's seven projections as fused NF4 kernels; ValueError for a model they do not cover."""
+def plan_layers(body: torch.nn.Module, dtype: torch.dtype, lora_parts) -> list[dict]:
+    """Each layer's weights as the kernels read them; ValueError for a model they do not cover."""
     layers = []
     for layer in body.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        modules = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj,
-                   "gate": mlp.gate_proj, "up": mlp.up_proj, "down": mlp.down_proj}
-        layers.append({name: _NF4Projection(*lora_parts(module, dtype)) for name, module in modules.items()})
+        if attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
+            raise ValueError("q_norm and k_norm differ in eps")
+        weights = {name: Weight.of(*lora_parts(module, dtype)) for name, module in (
+            ("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
+            ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj))}
+        kinds = {(w.dense, w.nested, w.lora_a is None, None if w.lora_a is None else w.lora_a.shape[0])
+                 for w in weights.values()}
+        if len(kinds) != 1:
+            raise ValueError("the decode kernels need the seven projections alike (one kind, one LoRA rank)")
+        codes = [w for w in weights.values() if not w.dense]
+        if codes and not all(torch.equal(w.code, codes[0].code) and torch.equal(w.code2, codes[0].code2)
+                             for w in codes):
+            raise ValueError("the NF4 weights of a layer must share bitsandbytes' code tables")
+        layers.append({
+            "qkv": [weights["q"], weights["k"], weights["v"]], "o": [weights["o"]],
+            "gate_up": [weights["gate"], weights["up"]], "down": [weights["down"]],
+            "input_norm": layer.input_layernorm, "post_norm": layer.post_attention_layernorm,
+            "q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight, "qk_eps": attn.q_norm.variance_epsilon,
+        })
     return layers
 
 
-def decode_step(decoder, fused: list[dict[str, _NF4Projection]]) -> torch.Tensor:
+def rotary_tables(body: torch.nn.Module, max_len: int, rot_sign: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sign-folded sin [max_len, D] as the model's rotary embedding gives them at positions 0..max_len-1."""
+    embed = body.embed_tokens.weight
+    positions = torch.arange(max_len, device=embed.device)[None]
+    cos, sin = body.rotary_emb(embed[:1, None].expand(1, max_len, -1), positions)
+    return cos[0].contiguous(), (sin[0] * rot_sign).contiguous()
+
+
+def decode_step(decoder, fused: list[dict]) -> torch.Tensor:
     """One token per slot at its own position through the kernels; the logits (slots, vocab)."""
     tokens_S, positions_S = decoder.inputs[0], decoder.inputs[1]
-    S, D, nq, nk = decoder.slots, decoder.head_dim, decoder.heads, decoder.kv_heads
+    S = decoder.slots
+    cos, sin = decoder.rotary
     h = decoder.body.embed_tokens(tokens_S)
-    cos, sin = decoder.body.rotary_emb(h, positions_S[None])
-    cos, sin = cos[0, :, None], (sin[0] * decoder.rot_sign)[:, None]
-    for index, (p, f) in enumerate(zip(decoder.layers, fused)):
-        q, k, v = (f[name](h, p["input_norm"]) for name in ("q", "k", "v"))
-        qk = F.rms_norm(torch.cat((q, k), dim=-1).view(S, nq + nk, D), (D,), None, p["qk_eps"]) * p["qk_weight"]
-        qk = torch.addcmul(qk * cos, qk.roll(D // 2, dims=-1), sin)
-        decoder.k_cache[index][decoder.slot_index, :, positions_S] = qk[:, nq:]
-        decoder.v_cache[index][decoder.slot_index, :, positions_S] = v.view(S, nk, D)
-        attended = decode_attention(qk[:, :nq], decoder.k_cache[index], decoder.v_cache[index], positions_S)
-        h = f["o"](attended.reshape(S, nq * D), residual=h)
-        gate, up = f["gate"](h, p["post_norm"]), f["up"](h, p["post_norm"])
-        h = f["down"](p["act"](gate) * up, residual=h)
-    return decoder.lm_head(F.rms_norm(h, decoder.body.norm.weight.shape, decoder.body.norm.weight,
-                                      decoder.body.norm.variance_epsilon))
+    for index, f in enumerate(fused):
+        norm = f["input_norm"]
+        qkv = project(h, f["qkv"], norm_weight=norm.weight, eps=norm.variance_epsilon)
+        q = qk_norm_rope_append(qkv, f["q_norm"], f["k_norm"], f["qk_eps"], cos, sin, positions_S,
+                                decoder.k_cache[index], decoder.v_cache[index])
+        attended = decode_attention(q, decoder.k_cache[index], decoder.v_cache[index], positions_S)
+        h = project(attended.view(S, -1), f["o"], residual=h)
+        norm = f["post_norm"]
+        act = project(h, f["gate_up"], norm_weight=norm.weight, eps=norm.variance_epsilon, silu_mul=True)
+        h = project(act, f["down"], residual=h)
+    final = decoder.body.norm
+    return decoder.lm_head(F.rms_norm(h, final.weight.shape, final.weight, final.variance_epsilon))

@@ -1,4 +1,5 @@
-"""StaticDecoder(kernels=True) against the module-by-module step, on an NF4 Qwen3 with a non-zero LoRA adapter.
+"""StaticDecoder(kernels=True) against the module-by-module step, on a Qwen3 with a non-zero LoRA adapter,
+its projections NF4 or bf16.
 
 CPU: bitsandbytes quantizes the tiny model's projections to NF4 here, and the
 Triton kernels run under the interpreter. Both decoders prefill the same
@@ -19,15 +20,15 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def nf4_model(seed: int = 0):
-    """A 2-layer Qwen3 (GQA 4/2, head_dim 16) in bf16 with every projection an NF4 Linear4bit."""
+def tiny_model(nf4: bool, seed: int = 0):
+    """A 2-layer Qwen3 (GQA 4/2, head_dim 16) in bf16, every projection an NF4 Linear4bit if `nf4`."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
     model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
-    for layer in model.model.layers:
+    for layer in model.model.layers if nf4 else []:
         for owner in (layer.self_attn, layer.mlp):
             for name in PROJECTIONS:
                 dense = getattr(owner, name, None)
@@ -58,11 +59,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+@pytest.mark.parametrize("nf4", [True, False], ids=["nf4", "bf16"])
 @torch.no_grad()
-def test_kernel_step_matches_the_module_step():
+def test_kernel_step_matches_the_module_step(nf4: bool):
     from miniverl.engine.rollout.cuda_graph import StaticDecoder
 
-    model = with_lora(nf4_model())
+    model = with_lora(tiny_model(nf4))
     plain = StaticDecoder(model, slots=3, max_len=64, use_graph=False)
     fused = StaticDecoder(model, slots=3, max_len=64, use_graph=False, kernels=True)
     assert plain.fused is None and fused.fused is not None
@@ -89,12 +91,13 @@ def test_kernel_step_matches_the_module_step():
         tokens, positions = plain.logits.argmax(-1).tolist(), [p + 1 for p in positions]
 
 
-def test_a_dense_model_is_refused_by_name():
+def test_a_model_with_biased_projections_is_refused_by_name():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from miniverl.engine.rollout.cuda_graph import StaticDecoder
 
     config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    with pytest.raises(ValueError, match="is not a bias-free NF4 layer"):
-        StaticDecoder(Qwen3ForCausalLM(config).to(DEVICE), slots=1, max_len=16, use_graph=False, kernels=True)
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True)
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16).to(DEVICE)
+    with pytest.raises(ValueError, match="Linear has a bias"):
+        StaticDecoder(model, slots=1, max_len=16, use_graph=False, kernels=True)

@@ -1,0 +1,334 @@
+"""A decoder layer's projections for a few tokens, one Triton kernel per group: NF4 or bf16 weights, LoRA inside.
+
+The decode step (fused_step.py) reads every weight once per token, so its
+speed is the weight bytes over the memory bandwidth, plus one launch per
+kernel. This module gives it three kernels per layer for the seven linears:
+
+- `project(x, [q, k, v], norm=...)`: the input RMSNorm, then q, k and v side by
+  side into one [B, Nq + Nk + Nv] output (each program takes BLOCK_N rows of
+  one of the three weights);
+- `project(x, [o], residual=h)`: one weight with the residual added;
+- `project(x, [gate, up], norm=..., silu_mul=True)`: the post-attention
+  RMSNorm, both weights for the same rows, SiLU(gate) * up in the epilogue.
+
+A weight (`Weight.of(base_layer, A, B)`) is the very tensor the training step
+uses: bitsandbytes' packed NF4 codes with their (double-quantized) absmax, read
+and dequantized in registers (no second copy, no re-quantization), or a dense
+bf16/fp16 matrix. The LoRA adapter's x @ A.T accumulates along K beside the
+product and meets B (already scaled by alpha / r) in the epilogue.
+
+bitsandbytes' NF4 layout, for a [N, K] weight flattened row-major: byte i
+holds element 2i in its high nibble and 2i+1 in its low one; each nibble
+indexes the 16-entry NF4 code; every 64 elements share one absmax. With
+double quantization each absmax is a uint8 into a 256-entry code, scaled by a
+float32 per 256 absmaxes, plus an offset:
+
+    W[e] = code[nibble(e)] * absmax(e // 64)
+    absmax(a) = code2[absmax_u8[a]] * absmax2[a // 256] + offset      (nested)
+
+Each program walks K in BLOCK_K steps; an NF4 tile's nibbles are decoded
+with one absmax per 64-element block and interleaved back into columns. Weights are rounded to x's dtype as bitsandbytes'
+dequantize rounds them, a fused RMSNorm rounds as Qwen3RMSNorm does, and the
+products are summed in float32: on a GPU by half-precision tensor-core dots
+(exact products of operands already at that precision), in Triton's CPU
+interpreter (which has no half-precision dot) by float32 ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+QUANT_BLOCK = 64  # elements per absmax: the only NF4 block size read here
+NESTED_BLOCK = 256  # absmaxes per second-level scale (bitsandbytes' double quantization)
+PRODUCT_DOT32, PRODUCT_TENSOR_CORE, PRODUCT_BROADCAST = 0, 1, 2
+
+
+@triton.jit
+def round_to_dtype(v, BF16: tl.constexpr):
+    """float32 v rounded to the compute dtype (to nearest, ties to even) and back; bf16 by its bits, since
+    Triton's CPU interpreter truncates a bf16 cast where the GPU rounds."""
+    if BF16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return v.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _product(x, w, PRODUCT: tl.constexpr, BF16: tl.constexpr):
+    """x [B, K] @ w [N, K].T in float32. 0: float32 dot (IEEE); 1: half-precision tensor-core dot with a float32
+    accumulator, exact for operands already rounded to that precision; 2: broadcast multiply and sum (no dot, so
+    no 16-row minimum)."""
+    if PRODUCT == 1:
+        half = tl.bfloat16 if BF16 else tl.float16
+        return tl.dot(x.to(half), tl.trans(w.to(half)))
+    elif PRODUCT == 2:
+        return tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    else:
+        return tl.dot(x, tl.trans(w), input_precision="ieee")
+
+
+@triton.jit
+def _inverse_rms(x_base, batch_ok, K, eps, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):
+    """RMSNorm's 1 / rms of each row of x, in float32."""
+    squares = tl.zeros((BLOCK_B,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(x_base + cols[None, :], mask=batch_ok[:, None] & (cols[None, :] < K), other=0.0).to(tl.float32)
+        squares += tl.sum(v * v, axis=1)
+    return 1.0 / tl.sqrt(squares / K + eps)
+
+
+@triton.jit
+def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
+          a_ptr, b_ptr, r, rows, N, K,
+          DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr, BF16: tl.constexpr,
+          BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+          PRODUCT: tl.constexpr):
+    """norm(x) @ W[rows].T + (norm(x) @ A.T) @ B[rows].T for BLOCK_B rows of x, float32 [BLOCK_B, BLOCK_N].
+
+    An NF4 tile is read as [BLOCK_N, BLOCK_K / 64, 32] bytes: one absmax per 64-element block (K is a multiple
+    of 64, so blocks never straddle rows), each byte's high and low nibbles interleaved back into columns.
+    """
+    ks = tl.arange(0, BLOCK_K)
+    groups = tl.arange(0, BLOCK_K // 64)  # 64: QUANT_BLOCK (a plain global cannot enter a Triton function)
+    in_group = tl.arange(0, 32)
+    ranks = tl.arange(0, BLOCK_R)
+    row_ok = rows < N
+    blocks_per_row = K // 64
+    acc = tl.zeros((BLOCK_B, BLOCK_N), dtype=tl.float32)
+    xa = tl.zeros((BLOCK_B, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + ks
+        col_ok = cols < K
+        if DENSE:
+            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                        other=0.0).to(tl.float32)
+        else:
+            block = k0 // 64 + groups
+            scale_index = rows[:, None].to(tl.int64) * blocks_per_row + block[None, :]  # [BLOCK_N, GROUPS]
+            scale_ok = row_ok[:, None] & (block < blocks_per_row)[None, :]
+            if NESTED:
+                quantized = tl.load(absmax_ptr + scale_index, mask=scale_ok, other=0).to(tl.int32)
+                scale = tl.load(code2_ptr + quantized) * tl.load(absmax2_ptr + scale_index // 256,
+                                                                 mask=scale_ok, other=0.0) + offset
+            else:
+                scale = tl.load(absmax_ptr + scale_index, mask=scale_ok, other=0.0)
+            packed = tl.load(w_ptr + scale_index[:, :, None] * 32 + in_group[None, None, :],
+                             mask=scale_ok[:, :, None], other=0).to(tl.int32)
+            # Rounded to x's dtype as bitsandbytes' dequantize rounds them: the weights its matmul uses.
+            high = round_to_dtype(tl.load(code_ptr + (packed >> 4)) * scale[:, :, None], BF16)
+            low = round_to_dtype(tl.load(code_ptr + (packed & 15)) * scale[:, :, None], BF16)
+            w = tl.reshape(tl.interleave(high, low), (BLOCK_N, BLOCK_K))
+        x = tl.load(x_base + cols[None, :], mask=batch_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        if NORM:  # as Qwen3RMSNorm rounds: normalized x to x's dtype, then times the weight, rounded again
+            gamma = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            x = round_to_dtype(round_to_dtype(x * inv_rms[:, None], BF16) * gamma, BF16)
+        acc += _product(x, w, PRODUCT, BF16)
+        if LORA:  # A is [r, K]
+            a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=(ranks[:, None] < r) & col_ok[None, :],
+                        other=0.0).to(tl.float32)
+            xa += _product(x, a, PRODUCT, BF16)
+    if LORA:  # B is [N, r], scaled by alpha / r
+        b_tile = tl.load(b_ptr + rows[:, None] * r + ranks[None, :], mask=row_ok[:, None] & (ranks[None, :] < r),
+                         other=0.0).to(tl.float32)
+        acc += _product(xa, b_tile, 0 if PRODUCT == 1 else PRODUCT, BF16)
+    return acc
+
+
+@triton.jit
+def _store(acc, y_ptr, stride_yb, batch, batch_ok, columns, column_ok, residual_ptr, stride_rb,
+           RESIDUAL: tl.constexpr):
+    ok = batch_ok[:, None] & column_ok[None, :]
+    if RESIDUAL:
+        acc += tl.load(residual_ptr + batch[:, None].to(tl.int64) * stride_rb + columns[None, :], mask=ok,
+                       other=0.0).to(tl.float32)
+    tl.store(y_ptr + batch[:, None].to(tl.int64) * stride_yb + columns[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=ok)
+
+
+@triton.jit
+def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
+             w0, absmax0, absmax2_0, offset0, a0, b0, n0,
+             w1, absmax1, absmax2_1, offset1, a1, b1, n1,
+             w2, absmax2, absmax2_2, offset2, a2, b2, n2,
+             y_ptr, stride_yb, residual_ptr, stride_rb,
+             PARTS: tl.constexpr, SILU_MUL: tl.constexpr, DENSE: tl.constexpr, NESTED: tl.constexpr,
+             NORM: tl.constexpr, LORA: tl.constexpr, RESIDUAL: tl.constexpr, BF16: tl.constexpr,
+             BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+             PRODUCT: tl.constexpr):
+    block = tl.program_id(0)
+    batch = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    batch_ok = batch < B
+    x_base = x_ptr + batch[:, None].to(tl.int64) * stride_xb
+    inv_rms = tl.zeros((BLOCK_B,), dtype=tl.float32)
+    if NORM:
+        inv_rms = _inverse_rms(x_base, batch_ok, K, eps, BLOCK_B, BLOCK_K)
+    local = tl.arange(0, BLOCK_N)
+    if SILU_MUL:  # gate (part 0) and up (part 1), the same rows: SiLU(gate) * up, each rounded as the modules round
+        rows = block * BLOCK_N + local
+        gate = round_to_dtype(_tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr,
+                            offset0, a0, b0, r, rows, n0, K, DENSE, NESTED, NORM, LORA, BF16, BLOCK_B, BLOCK_N,
+                            BLOCK_K, BLOCK_R, PRODUCT), BF16)
+        up = round_to_dtype(_tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr, code2_ptr, offset1,
+                          a1, b1, r, rows, n1, K, DENSE, NESTED, NORM, LORA, BF16, BLOCK_B, BLOCK_N, BLOCK_K,
+                          BLOCK_R, PRODUCT), BF16)
+        acc = round_to_dtype(gate / (1.0 + tl.exp(-gate)), BF16) * up
+        _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, rows < n0, residual_ptr, stride_rb, RESIDUAL)
+    else:  # the parts side by side: this program's rows lie in one of them
+        blocks0 = tl.cdiv(n0, BLOCK_N)
+        blocks1 = tl.cdiv(n1, BLOCK_N)
+        if block < blocks0:
+            rows = block * BLOCK_N + local
+            acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr, offset0,
+                        a0, b0, r, rows, n0, K, DENSE, NESTED, NORM, LORA, BF16, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R,
+                        PRODUCT)
+            _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, rows < n0, residual_ptr, stride_rb, RESIDUAL)
+        else:
+            if PARTS > 1:
+                if block < blocks0 + blocks1:
+                    rows = (block - blocks0) * BLOCK_N + local
+                    acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr, code2_ptr,
+                                offset1, a1, b1, r, rows, n1, K, DENSE, NESTED, NORM, LORA, BF16, BLOCK_B, BLOCK_N,
+                                BLOCK_K, BLOCK_R, PRODUCT)
+                    _store(acc, y_ptr, stride_yb, batch, batch_ok, n0 + rows, rows < n1, residual_ptr, stride_rb,
+                           RESIDUAL)
+                else:
+                    if PARTS > 2:
+                        rows = (block - blocks0 - blocks1) * BLOCK_N + local
+                        acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w2, absmax2, absmax2_2, code_ptr, code2_ptr,
+                                    offset2, a2, b2, r, rows, n2, K, DENSE, NESTED, NORM, LORA, BF16, BLOCK_B,
+                                    BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT)
+                        _store(acc, y_ptr, stride_yb, batch, batch_ok, n0 + n1 + rows, rows < n2, residual_ptr,
+                               stride_rb, RESIDUAL)
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One linear's weight as the kernels read it, with its LoRA adapter (A [r, K], B [N, r] scaled) or none."""
+
+    n: int
+    k: int
+    data: torch.Tensor  # packed NF4 bytes (flat uint8) or the dense [N, K] matrix
+    absmax: torch.Tensor | None = None
+    absmax2: torch.Tensor | None = None
+    code: torch.Tensor | None = None
+    code2: torch.Tensor | None = None
+    offset: float = 0.0  # a float, read once: reading the tensor syncs, and a CUDA graph capture refuses that
+    nested: bool = False
+    lora_a: torch.Tensor | None = None
+    lora_b: torch.Tensor | None = None
+
+    @property
+    def dense(self) -> bool:
+        return self.absmax is None
+
+    @classmethod
+    def of(cls, base: torch.nn.Module, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> "Weight":
+        """A bias-free nn.Linear or bitsandbytes Linear4bit (NF4, 64-element blocks); ValueError for others."""
+        if getattr(base, "bias", None) is not None:
+            raise ValueError(f"{type(base).__name__} has a bias; the decode kernels read bias-free linears")
+        lora = {} if a is None else {"lora_a": a.contiguous(), "lora_b": b.contiguous()}
+        state = getattr(base.weight, "quant_state", None)
+        if state is None:
+            if type(base) is not torch.nn.Linear or base.weight.dtype not in (torch.bfloat16, torch.float16):
+                raise ValueError(f"{type(base).__name__} is neither a half-precision nn.Linear nor an NF4 layer")
+            n, k = base.weight.shape
+            return cls(n, k, base.weight.contiguous(), **lora)
+        return cls.nf4(base.weight, state, **lora)
+
+    @classmethod
+    def nf4(cls, packed: torch.Tensor, state, lora_a: torch.Tensor | None = None,
+            lora_b: torch.Tensor | None = None) -> "Weight":
+        n, k = state.shape
+        if k % QUANT_BLOCK:
+            raise ValueError(f"the NF4 kernels need in_features a multiple of {QUANT_BLOCK}; got {k}")
+        if state.blocksize != QUANT_BLOCK or getattr(state, "quant_type", "nf4") != "nf4":
+            raise ValueError(f"needs NF4 with block size {QUANT_BLOCK}; got {state.quant_type} / {state.blocksize}")
+        if packed.dtype != torch.uint8 or packed.numel() * 2 != n * k:
+            raise ValueError(f"packed must hold {n * k // 2} uint8 bytes; got {packed.numel()} {packed.dtype}")
+        nested = bool(state.nested)
+        if nested and state.state2.blocksize != NESTED_BLOCK:
+            raise ValueError(f"needs nested absmax blocks of {NESTED_BLOCK}; got {state.state2.blocksize}")
+        return cls(n, k, packed.view(-1), absmax=state.absmax,
+                   absmax2=state.state2.absmax if nested else state.absmax,
+                   code=state.code, code2=state.state2.code if nested else state.code,
+                   offset=float(state.offset) if nested else 0.0, nested=nested, lora_a=lora_a, lora_b=lora_b)
+
+
+def tile_config(batch: int, on_gpu: bool) -> tuple[int, int, int]:
+    """(product, block_n, block_k) for a launch over `batch` rows of x. A few rows: broadcast sums over small
+    row tiles (many programs, no 16-row dot minimum); more: tensor-core dots. Triton's interpreter has no
+    half-precision dot: float32 dots there."""
+    if batch <= 8:
+        return PRODUCT_BROADCAST, 4, 512 if batch <= 4 else 256
+    return (PRODUCT_TENSOR_CORE if on_gpu else PRODUCT_DOT32), 32, 256
+
+
+def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+            residual: torch.Tensor | None = None, silu_mul: bool = False, block_n: int | None = None,
+            block_k: int | None = None, product: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """norm(x) through 1-3 weights of one kind: side by side -> [B, sum N] (+ residual), or with `silu_mul`
+    (two weights, gate then up) SiLU(gate) * up -> [B, N].
+
+    `norm_weight`: an RMSNorm of x first (float32 statistics, as Qwen3's); `residual`: [B, N] added at the end;
+    `product`, `block_n`, `block_k`: how the tiles multiply (`_product`) and their size; by default
+    `tile_config`'s choice for the batch.
+    """
+    k = weights[0].k
+    default = tile_config(x.shape[0], x.is_cuda)
+    product = default[0] if product is None else product
+    block_n = default[1] if block_n is None else block_n
+    block_k = default[2] if block_k is None else block_k
+    if block_k % QUANT_BLOCK or block_k & (block_k - 1):
+        raise ValueError(f"block_k must be a power of two multiple of {QUANT_BLOCK}; got {block_k}")
+    if not 1 <= len(weights) <= 3 or (silu_mul and len(weights) != 2):
+        raise ValueError(f"project takes 1-3 weights (2 with silu_mul); got {len(weights)}")
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be bf16 or fp16 [B, {k}] with unit column stride; got {tuple(x.shape)} {x.dtype}")
+    first = weights[0]
+    for w in weights:
+        if w.k != k or w.dense != first.dense or w.nested != first.nested or (w.lora_a is None) != (
+                first.lora_a is None):
+            raise ValueError("the weights of one launch must share K, their kind and whether they carry LoRA")
+        if w.dense and w.data.dtype != x.dtype:
+            raise ValueError(f"a dense weight must be in x's dtype {x.dtype}; got {w.data.dtype}")
+        if w.lora_a is not None and (w.lora_a.shape != (first.lora_a.shape[0], k) or w.lora_b.shape != (
+                w.n, first.lora_a.shape[0])):
+            raise ValueError(f"LoRA must be A [r, {k}] and B [N, r] with one r per launch; got "
+                             f"{tuple(w.lora_a.shape)}, {tuple(w.lora_b.shape)}")
+    if silu_mul and weights[0].n != weights[1].n:
+        raise ValueError(f"gate and up must have one width; got {weights[0].n} and {weights[1].n}")
+    if norm_weight is not None and norm_weight.shape != (k,):
+        raise ValueError(f"norm_weight must be [{k}]; got {tuple(norm_weight.shape)}")
+    batch = x.shape[0]
+    width = weights[0].n if silu_mul else sum(w.n for w in weights)
+    if residual is not None and (residual.shape != (batch, width) or residual.stride(1) != 1):
+        raise ValueError(f"residual must be [{batch}, {width}] with unit column stride; got {tuple(residual.shape)}")
+    y = torch.empty((batch, width), dtype=x.dtype, device=x.device)
+    block_b = triton.next_power_of_2(batch) if product == PRODUCT_BROADCAST else 16  # tl.dot's smallest M is 16
+    block_b = min(block_b, 16)
+    rank = 0 if first.lora_a is None else first.lora_a.shape[0]
+
+    flat = []
+    for i, w in enumerate(weights + [weights[-1]] * (3 - len(weights))):  # unused slots: width 0, never read
+        unused = w.data
+        flat += [w.data, unused if w.absmax is None else w.absmax, unused if w.absmax2 is None else w.absmax2,
+                 w.offset, unused if w.lora_a is None else w.lora_a, unused if w.lora_b is None else w.lora_b,
+                 w.n if i < len(weights) else 0]
+    blocks = triton.cdiv(width, block_n) if silu_mul else sum(triton.cdiv(w.n, block_n) for w in weights)
+    grid = (blocks, triton.cdiv(batch, block_b))
+    code = first.code if first.code is not None else x
+    code2 = first.code2 if first.code2 is not None else x
+    _project[grid](
+        x, x.stride(0), batch, k, norm_weight if norm_weight is not None else x, eps, code, code2, rank, *flat,
+        y, y.stride(0), residual if residual is not None else y, 0 if residual is None else residual.stride(0),
+        PARTS=len(weights), SILU_MUL=silu_mul, DENSE=first.dense, NESTED=first.nested, NORM=norm_weight is not None,
+        LORA=rank > 0, RESIDUAL=residual is not None, BF16=x.dtype == torch.bfloat16,
+        BLOCK_B=block_b, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, triton.next_power_of_2(max(rank, 1))),
+        PRODUCT=product, num_warps=num_warps)
+    return y

@@ -1,0 +1,131 @@
+"""decode_projection.project against float64 references: NF4 (bitsandbytes' own tensors) and dense weights.
+
+The NF4 reference decodes the packed bytes from the layout's definition (and
+that decoding is first checked against bitsandbytes' `dequantize_4bit`, so the
+kernel is held to bitsandbytes' format, not to a reading of it that only the
+kernel shares), rounds the weights to bf16 as bitsandbytes' matmul does, and
+chains norm, products, LoRA, SiLU and residual in float64. CPU: Triton's interpreter; CUDA:
+the GPU, tensor-core dots included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="needs Triton (the dev extra installs it)")
+bnb_functional = pytest.importorskip("bitsandbytes.functional")
+from miniverl.engine.rollout.decode_projection import Weight, project  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# How the tiles multiply (decode_projection._product): float32 dots, broadcast sums, and on a GPU tensor-core
+# dots (Triton's interpreter has none).
+PRODUCTS = [0, 2] + ([1] if DEVICE == "cuda" else [])
+
+
+def draw(gen, *shape, s=1.0):
+    return (s * torch.randn(*shape, generator=gen)).to(torch.bfloat16).to(DEVICE)
+
+
+def decoded64(packed: torch.Tensor, state) -> torch.Tensor:
+    """The weight in float64 from the layout: high nibble first, one absmax per 64, nested absmax if any."""
+    data = packed.view(-1).cpu().long()
+    nibbles = torch.stack([data >> 4, data & 15], dim=1).view(-1)
+    if state.nested:
+        level2 = state.state2.absmax.cpu().double().repeat_interleave(256)[: state.absmax.numel()]
+        absmax = state.state2.code.cpu().double()[state.absmax.cpu().long()] * level2 + float(state.offset)
+    else:
+        absmax = state.absmax.cpu().double()
+    return (state.code.cpu().double()[nibbles] * absmax.repeat_interleave(64)).view(*state.shape)
+
+
+def quantized(weight: torch.Tensor, nested: bool):
+    return bnb_functional.quantize_4bit(weight, blocksize=64, compress_statistics=nested, quant_type="nf4",
+                                        quant_storage=torch.uint8)
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["double-quantized", "single"])
+def test_the_reference_decoding_is_bitsandbytes_own(nested: bool):
+    packed, state = quantized(draw(torch.Generator().manual_seed(0), 96, 256), nested)
+    ours = decoded64(packed, state)
+    theirs = bnb_functional.dequantize_4bit(packed, state).double().cpu()  # rounded to bf16
+    assert float((ours - theirs).abs().max()) <= float(theirs.abs().max()) * 2**-8
+
+
+def make(kind: str, n: int, k: int, rank: int, gen) -> tuple[Weight, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(Weight, the weight as used in float64, A, B): NF4 double- or single-quantized ("nf4", "nf4-single"), or
+    a dense bf16 weight."""
+    dense = draw(gen, n, k, s=0.05)
+    a, b = draw(gen, rank, k, s=0.1), draw(gen, n, rank, s=0.1)
+    if kind == "dense":
+        return Weight(n, k, dense, lora_a=a, lora_b=b), dense.double().cpu(), a, b
+    packed, state = quantized(dense, nested=kind == "nf4")
+    used = decoded64(packed, state).to(torch.bfloat16).double()
+    return Weight.nf4(packed, state, a, b), used, a, b
+
+
+def normed64(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3RMSNorm's roundings: the normalized x to bf16, then times the weight, to bf16 again."""
+    x64 = x.double().cpu()
+    normed = (x64 * torch.rsqrt((x64 * x64).mean(-1, keepdim=True) + eps)).to(torch.bfloat16).double()
+    return (normed * gamma.double().cpu()).to(torch.bfloat16).double()
+
+
+def linear64(x64, used, a, b):
+    return x64 @ used.T + (x64 @ a.double().cpu().T) @ b.double().cpu().T
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double().cpu() - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("kind", ["nf4", "nf4-single", "dense"])
+@pytest.mark.parametrize("product", PRODUCTS)
+@pytest.mark.parametrize("batch", [1, 5, 17])  # one row, a ragged tile, two batch tiles
+def test_three_weights_side_by_side_with_norm(kind: str, product: int, batch: int):
+    gen = torch.Generator().manual_seed(batch)
+    k, eps = 192, 1e-6
+    parts = [make(kind, n, k, 8, gen) for n in (96, 40, 40)]  # q, k, v: ragged widths, tiles straddle parts
+    x, gamma = draw(gen, batch, k, s=3.0), draw(gen, k, s=0.5)
+    y = project(x, [w for w, *_ in parts], norm_weight=gamma, eps=eps, product=product, block_n=32, block_k=64)
+    assert y.shape == (batch, 176) and y.dtype == torch.bfloat16
+    x64 = normed64(x, gamma, eps)
+    want = torch.cat([linear64(x64, used, a, b) for _, used, a, b in parts], dim=1)
+    assert rel(y, want) <= 4e-3  # the output's bf16 rounding; the arithmetic is float32
+    k_part, v_part = (linear64(x64, used, a, b) for _, used, a, b in parts[1:])
+    assert rel(y[:, 96:136], v_part) > 0.3 and rel(y[:, 136:], k_part) > 0.3  # each part reads its own weight
+
+
+@pytest.mark.parametrize("kind", ["nf4", "dense"])
+@pytest.mark.parametrize("product", PRODUCTS)
+def test_gate_up_silu_mul_and_residual(kind: str, product: int):
+    gen = torch.Generator().manual_seed(3)
+    batch, k, n, eps = 3, 128, 192, 1e-6
+    (gate, g64, ga, gb), (up, u64, ua, ub) = make(kind, n, k, 4, gen), make(kind, n, k, 4, gen)
+    x, gamma = draw(gen, batch, k, s=2.0), draw(gen, k, s=0.5)
+    y = project(x, [gate, up], norm_weight=gamma, eps=eps, silu_mul=True, product=product, block_n=32, block_k=64)
+    x64 = normed64(x, gamma, eps)
+    g, u = linear64(x64, g64, ga, gb), linear64(x64, u64, ua, ub)
+    assert rel(y, g * torch.sigmoid(g) * u) <= 1e-2  # gate, up and SiLU each rounded to bf16, as the modules do
+    assert rel(y, g * u) > 0.1
+    down, d64, da, db = make(kind, 48, n, 4, gen)
+    residual = draw(gen, batch, 48, s=2.0)
+    z = project(y, [down], residual=residual, product=product, block_n=16, block_k=64)
+    want = residual.double().cpu() + linear64(y.double().cpu(), d64, da, db)
+    assert rel(z, want) <= 4e-3
+    assert rel(z, want - residual.double().cpu()) > 0.1
+
+
+def test_refuses_mixed_launches():
+    gen = torch.Generator().manual_seed(0)
+    nf4, *_ = make("nf4", 32, 64, 4, gen)
+    dense, *_ = make("dense", 32, 64, 4, gen)
+    x = draw(gen, 2, 64)
+    with pytest.raises(ValueError, match="must share K, their kind"):
+        project(x, [nf4, dense])
+    with pytest.raises(ValueError, match="1-3 weights"):
+        project(x, [nf4], silu_mul=True)
+    with pytest.raises(ValueError, match=r"x must be bf16 or fp16 \[B, 64\]"):
+        project(draw(gen, 2, 32), [nf4])
+    with pytest.raises(ValueError, match="in_features a multiple of 64; got 80"):
+        make("nf4", 32, 80, 4, gen)
