@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from miniverl.engine.rollout.decode_projection import round_to_dtype
+from miniverl.engine.rollout.decode_projection import dtype_code, round_to_dtype
 
 
 @triton.jit
@@ -87,7 +87,7 @@ def _combine(max_ptr, sum_ptr, acc_ptr, out_ptr, n_splits, stride_os, stride_oh,
 @triton.jit
 def _qk_norm_rope_append(qkv_ptr, stride_qkv, q_weight_ptr, k_weight_ptr, eps, cos_ptr, sin_ptr, positions_ptr,
                          q_ptr, stride_qs, k_cache_ptr, v_cache_ptr, stride_ks, stride_kh, stride_kl,
-                         N_Q: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BF16: tl.constexpr):
+                         N_Q: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
     slot = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # q heads, then k heads, then v heads, as the qkv projection lays them out
     dims = tl.arange(0, HEAD_DIM)
@@ -105,11 +105,11 @@ def _qk_norm_rope_append(qkv_ptr, stride_qkv, q_weight_ptr, k_weight_ptr, eps, c
             weight_ptr = k_weight_ptr
         # q_norm / k_norm as Qwen3RMSNorm rounds (normalized, rounded, times the weight, rounded), then the
         # rotary embedding as the module step computes it: round(round(x * cos) + partner * sin).
-        x = round_to_dtype(round_to_dtype(x * inv_rms, BF16) * tl.load(weight_ptr + dims).to(tl.float32), BF16)
-        x_partner = round_to_dtype(round_to_dtype(x_partner * inv_rms, BF16) * tl.load(weight_ptr + partner).to(tl.float32), BF16)
+        x = round_to_dtype(round_to_dtype(x * inv_rms, DTYPE) * tl.load(weight_ptr + dims).to(tl.float32), DTYPE)
+        x_partner = round_to_dtype(round_to_dtype(x_partner * inv_rms, DTYPE) * tl.load(weight_ptr + partner).to(tl.float32), DTYPE)
         cos = tl.load(cos_ptr + position * HEAD_DIM + dims).to(tl.float32)
         sin = tl.load(sin_ptr + position * HEAD_DIM + dims).to(tl.float32)
-        rotated = round_to_dtype(x * cos, BF16) + x_partner * sin
+        rotated = round_to_dtype(x * cos, DTYPE) + x_partner * sin
         if head < N_Q:
             tl.store(q_ptr + slot * stride_qs + head * HEAD_DIM + dims, rotated.to(q_ptr.dtype.element_ty))
         else:
@@ -141,12 +141,12 @@ def qk_norm_rope_append(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: tor
     _qk_norm_rope_append[(slots, heads + 2 * kv_heads)](
         qkv, qkv.stride(0), q_weight, k_weight, eps, cos, sin, positions, q, q.stride(0), k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        N_Q=heads, N_KV=kv_heads, HEAD_DIM=head_dim, BF16=qkv.dtype == torch.bfloat16)
+        N_Q=heads, N_KV=kv_heads, HEAD_DIM=head_dim, DTYPE=dtype_code(qkv.dtype))
     return q
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                     split_len: int = 128, block_l: int = 32) -> torch.Tensor:
+                     split_len: int = 64, block_l: int = 32) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v per slot over keys 0..positions[slot]: q [S, H, D], caches [S, Hkv, L, D] -> [S, H, D]."""
     slots, heads, head_dim = q.shape
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[0] != slots or k_cache.shape[3] != head_dim:

@@ -47,27 +47,43 @@ NESTED_BLOCK = 256  # absmaxes per second-level scale (bitsandbytes' double quan
 PRODUCT_DOT32, PRODUCT_TENSOR_CORE, PRODUCT_BROADCAST = 0, 1, 2
 
 
+def dtype_code(dtype: torch.dtype) -> int:
+    """The kernels' DTYPE: 0 bf16, 1 fp16, 2 fp32 (float32 models: the reference the greedy tests compare to)."""
+    codes = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+    if dtype not in codes:
+        raise ValueError(f"the decode kernels compute in bf16, fp16 or fp32; got {dtype}")
+    return codes[dtype]
+
+
 @triton.jit
-def round_to_dtype(v, BF16: tl.constexpr):
+def round_to_dtype(v, DTYPE: tl.constexpr):
     """float32 v rounded to the compute dtype (to nearest, ties to even) and back; bf16 by its bits, since
     Triton's CPU interpreter truncates a bf16 cast where the GPU rounds."""
-    if BF16:
+    if DTYPE == 0:
         bits = v.to(tl.uint32, bitcast=True)
         bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
         return bits.to(tl.float32, bitcast=True)
-    return v.to(tl.float16).to(tl.float32)
+    elif DTYPE == 1:
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v
 
 
 @triton.jit
-def _product(x, w, PRODUCT: tl.constexpr, BF16: tl.constexpr):
+def _product(x, w, PRODUCT: tl.constexpr, DTYPE: tl.constexpr):
     """x [B, K] @ w [N, K].T in float32. 0: float32 dot (IEEE); 1: half-precision tensor-core dot with a float32
     accumulator, exact for operands already rounded to that precision; 2: broadcast multiply and sum (no dot, so
     no 16-row minimum)."""
     if PRODUCT == 1:
-        half = tl.bfloat16 if BF16 else tl.float16
+        half = tl.bfloat16 if DTYPE == 0 else tl.float16
         return tl.dot(x.to(half), tl.trans(w.to(half)))
-    elif PRODUCT == 2:
-        return tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    elif PRODUCT == 2:  # one row of x at a time: the tile stays [N, K] in registers, whatever the batch
+        rows = tl.arange(0, x.shape[0])[:, None]
+        out = tl.zeros((x.shape[0], w.shape[0]), dtype=tl.float32)
+        for b in tl.static_range(x.shape[0]):
+            x_row = tl.sum(tl.where(rows == b, x, 0.0), axis=0)
+            out = tl.where(rows == b, tl.sum(w * x_row[None, :], axis=1)[None, :], out)
+        return out
     else:
         return tl.dot(x, tl.trans(w), input_precision="ieee")
 
@@ -86,7 +102,7 @@ def _inverse_rms(x_base, batch_ok, K, eps, BLOCK_B: tl.constexpr, BLOCK_K: tl.co
 @triton.jit
 def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
           a_ptr, b_ptr, r, rows, N, K,
-          DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr, BF16: tl.constexpr,
+          DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr, DTYPE: tl.constexpr,
           BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
           PRODUCT: tl.constexpr):
     """norm(x) @ W[rows].T + (norm(x) @ A.T) @ B[rows].T for BLOCK_B rows of x, float32 [BLOCK_B, BLOCK_N].
@@ -121,22 +137,22 @@ def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, c
             packed = tl.load(w_ptr + scale_index[:, :, None] * 32 + in_group[None, None, :],
                              mask=scale_ok[:, :, None], other=0).to(tl.int32)
             # Rounded to x's dtype as bitsandbytes' dequantize rounds them: the weights its matmul uses.
-            high = round_to_dtype(tl.load(code_ptr + (packed >> 4)) * scale[:, :, None], BF16)
-            low = round_to_dtype(tl.load(code_ptr + (packed & 15)) * scale[:, :, None], BF16)
+            high = round_to_dtype(tl.load(code_ptr + (packed >> 4)) * scale[:, :, None], DTYPE)
+            low = round_to_dtype(tl.load(code_ptr + (packed & 15)) * scale[:, :, None], DTYPE)
             w = tl.reshape(tl.interleave(high, low), (BLOCK_N, BLOCK_K))
         x = tl.load(x_base + cols[None, :], mask=batch_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
         if NORM:  # as Qwen3RMSNorm rounds: normalized x to x's dtype, then times the weight, rounded again
             gamma = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            x = round_to_dtype(round_to_dtype(x * inv_rms[:, None], BF16) * gamma, BF16)
-        acc += _product(x, w, PRODUCT, BF16)
+            x = round_to_dtype(round_to_dtype(x * inv_rms[:, None], DTYPE) * gamma, DTYPE)
+        acc += _product(x, w, PRODUCT, DTYPE)
         if LORA:  # A is [r, K]
             a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=(ranks[:, None] < r) & col_ok[None, :],
                         other=0.0).to(tl.float32)
-            xa += _product(x, a, PRODUCT, BF16)
+            xa += _product(x, a, PRODUCT, DTYPE)
     if LORA:  # B is [N, r], scaled by alpha / r
         b_tile = tl.load(b_ptr + rows[:, None] * r + ranks[None, :], mask=row_ok[:, None] & (ranks[None, :] < r),
                          other=0.0).to(tl.float32)
-        acc += _product(xa, b_tile, 0 if PRODUCT == 1 else PRODUCT, BF16)
+        acc += _product(xa, b_tile, 0 if PRODUCT == 1 else PRODUCT, DTYPE)
     return acc
 
 
@@ -158,7 +174,7 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
              w2, absmax2, absmax2_2, offset2, a2, b2, n2,
              y_ptr, stride_yb, residual_ptr, stride_rb,
              PARTS: tl.constexpr, SILU_MUL: tl.constexpr, DENSE: tl.constexpr, NESTED: tl.constexpr,
-             NORM: tl.constexpr, LORA: tl.constexpr, RESIDUAL: tl.constexpr, BF16: tl.constexpr,
+             NORM: tl.constexpr, LORA: tl.constexpr, RESIDUAL: tl.constexpr, DTYPE: tl.constexpr,
              BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
              PRODUCT: tl.constexpr):
     block = tl.program_id(0)
@@ -172,12 +188,12 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
     if SILU_MUL:  # gate (part 0) and up (part 1), the same rows: SiLU(gate) * up, each rounded as the modules round
         rows = block * BLOCK_N + local
         gate = round_to_dtype(_tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr,
-                            offset0, a0, b0, r, rows, n0, K, DENSE, NESTED, NORM, LORA, BF16, BLOCK_B, BLOCK_N,
-                            BLOCK_K, BLOCK_R, PRODUCT), BF16)
+                            offset0, a0, b0, r, rows, n0, K, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N,
+                            BLOCK_K, BLOCK_R, PRODUCT), DTYPE)
         up = round_to_dtype(_tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr, code2_ptr, offset1,
-                          a1, b1, r, rows, n1, K, DENSE, NESTED, NORM, LORA, BF16, BLOCK_B, BLOCK_N, BLOCK_K,
-                          BLOCK_R, PRODUCT), BF16)
-        acc = round_to_dtype(gate / (1.0 + tl.exp(-gate)), BF16) * up
+                          a1, b1, r, rows, n1, K, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K,
+                          BLOCK_R, PRODUCT), DTYPE)
+        acc = round_to_dtype(gate / (1.0 + tl.exp(-gate)), DTYPE) * up
         _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, rows < n0, residual_ptr, stride_rb, RESIDUAL)
     else:  # the parts side by side: this program's rows lie in one of them
         blocks0 = tl.cdiv(n0, BLOCK_N)
@@ -185,7 +201,7 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
         if block < blocks0:
             rows = block * BLOCK_N + local
             acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr, offset0,
-                        a0, b0, r, rows, n0, K, DENSE, NESTED, NORM, LORA, BF16, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R,
+                        a0, b0, r, rows, n0, K, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R,
                         PRODUCT)
             _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, rows < n0, residual_ptr, stride_rb, RESIDUAL)
         else:
@@ -193,7 +209,7 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
                 if block < blocks0 + blocks1:
                     rows = (block - blocks0) * BLOCK_N + local
                     acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr, code2_ptr,
-                                offset1, a1, b1, r, rows, n1, K, DENSE, NESTED, NORM, LORA, BF16, BLOCK_B, BLOCK_N,
+                                offset1, a1, b1, r, rows, n1, K, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N,
                                 BLOCK_K, BLOCK_R, PRODUCT)
                     _store(acc, y_ptr, stride_yb, batch, batch_ok, n0 + rows, rows < n1, residual_ptr, stride_rb,
                            RESIDUAL)
@@ -201,7 +217,7 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
                     if PARTS > 2:
                         rows = (block - blocks0 - blocks1) * BLOCK_N + local
                         acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w2, absmax2, absmax2_2, code_ptr, code2_ptr,
-                                    offset2, a2, b2, r, rows, n2, K, DENSE, NESTED, NORM, LORA, BF16, BLOCK_B,
+                                    offset2, a2, b2, r, rows, n2, K, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B,
                                     BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT)
                         _store(acc, y_ptr, stride_yb, batch, batch_ok, n0 + n1 + rows, rows < n2, residual_ptr,
                                stride_rb, RESIDUAL)
@@ -235,8 +251,8 @@ class Weight:
         lora = {} if a is None else {"lora_a": a.contiguous(), "lora_b": b.contiguous()}
         state = getattr(base.weight, "quant_state", None)
         if state is None:
-            if type(base) is not torch.nn.Linear or base.weight.dtype not in (torch.bfloat16, torch.float16):
-                raise ValueError(f"{type(base).__name__} is neither a half-precision nn.Linear nor an NF4 layer")
+            if type(base) is not torch.nn.Linear:
+                raise ValueError(f"{type(base).__name__} is neither an nn.Linear nor an NF4 layer")
             n, k = base.weight.shape
             return cls(n, k, base.weight.contiguous(), **lora)
         return cls.nf4(base.weight, state, **lora)
@@ -265,7 +281,7 @@ def tile_config(batch: int, on_gpu: bool) -> tuple[int, int, int]:
     row tiles (many programs, no 16-row dot minimum); more: tensor-core dots. Triton's interpreter has no
     half-precision dot: float32 dots there."""
     if batch <= 8:
-        return PRODUCT_BROADCAST, 4, 512 if batch <= 4 else 256
+        return PRODUCT_BROADCAST, 8, 1024
     return (PRODUCT_TENSOR_CORE if on_gpu else PRODUCT_DOT32), 32, 256
 
 
@@ -284,12 +300,14 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     product = default[0] if product is None else product
     block_n = default[1] if block_n is None else block_n
     block_k = default[2] if block_k is None else block_k
+    block_k = min(block_k, max(QUANT_BLOCK, triton.next_power_of_2(k)))  # no tile wider than K needs
     if block_k % QUANT_BLOCK or block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two multiple of {QUANT_BLOCK}; got {block_k}")
     if not 1 <= len(weights) <= 3 or (silu_mul and len(weights) != 2):
         raise ValueError(f"project takes 1-3 weights (2 with silu_mul); got {len(weights)}")
-    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"x must be bf16 or fp16 [B, {k}] with unit column stride; got {tuple(x.shape)} {x.dtype}")
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"x must be [B, {k}] with unit column stride; got {tuple(x.shape)}")
+    dtype_code(x.dtype)
     first = weights[0]
     for w in weights:
         if w.k != k or w.dense != first.dense or w.nested != first.nested or (w.lora_a is None) != (
@@ -310,6 +328,8 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     if residual is not None and (residual.shape != (batch, width) or residual.stride(1) != 1):
         raise ValueError(f"residual must be [{batch}, {width}] with unit column stride; got {tuple(residual.shape)}")
     y = torch.empty((batch, width), dtype=x.dtype, device=x.device)
+    if x.dtype == torch.float32 and product == PRODUCT_TENSOR_CORE:
+        product = PRODUCT_DOT32  # a half-precision dot would round float32 operands
     block_b = triton.next_power_of_2(batch) if product == PRODUCT_BROADCAST else 16  # tl.dot's smallest M is 16
     block_b = min(block_b, 16)
     rank = 0 if first.lora_a is None else first.lora_a.shape[0]
@@ -328,7 +348,7 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
         x, x.stride(0), batch, k, norm_weight if norm_weight is not None else x, eps, code, code2, rank, *flat,
         y, y.stride(0), residual if residual is not None else y, 0 if residual is None else residual.stride(0),
         PARTS=len(weights), SILU_MUL=silu_mul, DENSE=first.dense, NESTED=first.nested, NORM=norm_weight is not None,
-        LORA=rank > 0, RESIDUAL=residual is not None, BF16=x.dtype == torch.bfloat16,
+        LORA=rank > 0, RESIDUAL=residual is not None, DTYPE=dtype_code(x.dtype),
         BLOCK_B=block_b, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, triton.next_power_of_2(max(rank, 1))),
         PRODUCT=product, num_warps=num_warps)
     return y

@@ -20,14 +20,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def tiny_model(nf4: bool, seed: int = 0):
-    """A 2-layer Qwen3 (GQA 4/2, head_dim 16) in bf16, every projection an NF4 Linear4bit if `nf4`."""
+def tiny_model(nf4: bool, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
+    """A 2-layer Qwen3 (GQA 4/2, head_dim 16) in `dtype`, every projection an NF4 Linear4bit if `nf4`."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
-    model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    model = Qwen3ForCausalLM(config).to(dtype).eval()
     for layer in model.model.layers if nf4 else []:
         for owner in (layer.self_attn, layer.mlp):
             for name in PROJECTIONS:
@@ -35,7 +35,7 @@ def tiny_model(nf4: bool, seed: int = 0):
                 if dense is None:
                     continue
                 quantized = bnb.nn.Linear4bit(dense.in_features, dense.out_features, bias=False,
-                                              compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=True)
+                                              compute_dtype=dtype, quant_type="nf4", compress_statistics=True)
                 quantized.weight = bnb.nn.Params4bit(dense.weight.data.clone(), requires_grad=False, quant_type="nf4",
                                                      compress_statistics=True)
                 setattr(owner, name, quantized.to(DEVICE))
@@ -89,6 +89,34 @@ def test_kernel_step_matches_the_module_step(nf4: bool):
         assert gap <= 2 * rel(plain.logits, full) + 5e-3  # no further from the full forward than the module step
         assert rel(bare.logits, plain.logits) > 5 * gap  # the adapter's effect is far above the tolerance
         tokens, positions = plain.logits.argmax(-1).tolist(), [p + 1 for p in positions]
+
+
+@pytest.mark.parametrize("nf4", [True, False], ids=["nf4", "fp32"])
+@torch.no_grad()
+def test_greedy_decoding_in_float32_is_token_for_token_a_full_forward(nf4: bool):
+    """A float32 model (NF4 bases dequantized to float32): greedy tokens through the kernels, slot by slot, are
+    those of repeated full forward passes of the peft model."""
+    from miniverl.engine.rollout.cuda_graph import StaticDecoder
+
+    model = with_lora(tiny_model(nf4, seed=3, dtype=torch.float32))
+    decoder = StaticDecoder(model, slots=2, max_len=64, use_graph=DEVICE == "cuda", kernels=True)
+    prompts = [[3, 14, 15, 92, 65], [8, 9]]
+    decoder.prefill([0, 1], prompts)
+    sequences = [list(p) for p in prompts]
+    for _ in range(12):
+        tokens = decoder.logits.argmax(-1).tolist()
+        for sequence, token in zip(sequences, tokens):
+            sequence.append(token)
+        decoder.step(tokens, [len(s) - 1 for s in sequences])
+    reference = []
+    for prompt in prompts:
+        sequence = list(prompt)
+        for _ in range(12):
+            logits = model(input_ids=torch.tensor([sequence], device=DEVICE)).logits[0, -1]
+            sequence.append(int(logits.argmax()))
+        reference.append(sequence)
+    assert sequences == reference
+    assert len({tuple(s[len(p):]) for s, p in zip(sequences, prompts)}) == 2  # the slots decoded different text
 
 
 def test_a_model_with_biased_projections_is_refused_by_name():
