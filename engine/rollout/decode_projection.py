@@ -277,12 +277,14 @@ class Weight:
 
 
 def tile_config(batch: int, on_gpu: bool) -> tuple[int, int, int]:
-    """(product, block_n, block_k) for a launch over `batch` rows of x. A few rows: broadcast sums over small
-    row tiles (many programs, no 16-row dot minimum); more: tensor-core dots. Triton's interpreter has no
-    half-precision dot: float32 dots there."""
+    """(product, block_n, block_k) for a launch over `batch` rows of x, from the H200 sweep
+    (benchmarks/decode_kernels_bench.py): up to 8 rows, broadcast sums over 8-row weight tiles 1024 wide (many
+    programs, no 16-row dot minimum); more rows, tensor-core dots."""
+    if not on_gpu:  # Triton's interpreter runs programs one by one in Python: the fewest, largest tiles
+        return PRODUCT_DOT32, 64, 1024
     if batch <= 8:
         return PRODUCT_BROADCAST, 8, 1024
-    return (PRODUCT_TENSOR_CORE if on_gpu else PRODUCT_DOT32), 32, 256
+    return PRODUCT_TENSOR_CORE, 32, 256
 
 
 def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
