@@ -140,9 +140,10 @@ class RolloutSpec(_Strict):
     temperature: PositiveFloat = 1.0
     top_p: Probability = 1.0
     generation_batch_size: BatchCount | Auto = 32
-    # auto: the CUDA-graph decode engine on CUDA, the plain forward-pass loop elsewhere;
+    # auto: the CUDA-graph decode engine on CUDA (its step through the Triton decode kernels where those are
+    # faster), the plain forward-pass loop elsewhere; graph: that engine with its module-by-module step only;
     # plain: the loop everywhere (slower; for debugging and for the before/after benchmark).
-    engine: Literal["auto", "plain"] = "auto"
+    engine: Literal["auto", "graph", "plain"] = "auto"
 
 
 class LossRecipe(_Strict):

@@ -167,7 +167,7 @@ class StaticDecoder:
     """
 
     def __init__(self, model: torch.nn.Module, slots: int, max_len: int, use_graph: bool, fuse_weights: bool = True,
-                 kernels: bool = False):
+                 kernels: bool | None = False):
         causal = base_model(model)
         self.body, self.lm_head, config = causal.model, causal.lm_head, causal.config
         embed = self.body.embed_tokens.weight
@@ -184,13 +184,10 @@ class StaticDecoder:
         self.layers = [self._plan(layer) for layer in self.body.layers]
         half = self.head_dim // 2
         self.rot_sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)
-        # kernels: the one-token step through the Triton kernels (fused_step: NF4 or half-precision bases).
-        self.fused = None
-        if kernels:
-            from miniverl.engine.rollout.fused_step import plan_layers, rotary_tables
-
-            self.fused = plan_layers(self.body, self.dtype, _lora_parts)
-            self.rotary = rotary_tables(self.body, self.max_len, self.rot_sign)
+        # kernels: the one-token step through the Triton kernels (fused_step); None: where it is faster.
+        self.fused, self.kernels_auto = None, kernels is None
+        if kernels or (kernels is None and self.device.type == "cuda"):
+            self.fused = self._plan_kernels(slots, required=bool(kernels))
         self.inputs = torch.zeros(2, slots, dtype=torch.long, device=self.device)  # row 0 token ids, row 1 positions
         self.slot_index = torch.arange(slots, device=self.device)
         self.key_index = torch.arange(self.max_len, device=self.device)
@@ -199,6 +196,23 @@ class StaticDecoder:
         self.mode = "eager"
         if use_graph:
             self._capture()
+
+    def _plan_kernels(self, slots: int, required: bool) -> list[dict] | None:
+        """The kernel step's weights, or None (with the reason logged) where `auto` keeps the module step."""
+        try:
+            from miniverl.engine.rollout.fused_step import auto_choice, plan_layers, rotary_tables
+
+            fused = plan_layers(self.body, self.dtype, _lora_parts)
+            reason = None if required else auto_choice(fused, slots)
+        except (ImportError, ValueError) as exc:  # no Triton, or a model the kernels do not cover
+            if required:
+                raise
+            reason = f"{type(exc).__name__}: {exc}"
+        if reason is not None:
+            log.info("decode step: module by module (%s)", reason)
+            return None
+        self.rotary = rotary_tables(self.body, self.max_len, self.rot_sign)
+        return fused
 
     def _stacked_copy_fits(self) -> bool:
         """Stack base weights only if unquantized and the copy takes under a quarter of free memory."""
@@ -310,8 +324,16 @@ class StaticDecoder:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(2):
-                self._decode()
+            try:
+                for _ in range(2):
+                    self._decode()
+            except Exception as exc:  # noqa: BLE001 - a kernel that fails to build here: auto takes the module step
+                if self.fused is None or not self.kernels_auto:
+                    raise
+                log.warning("decode kernels failed (%s: %s); decoding module by module", type(exc).__name__, exc)
+                self.fused = None
+                for _ in range(2):
+                    self._decode()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
@@ -368,8 +390,10 @@ def run_slots(decoder: StaticDecoder, tool_loop: ToolLoop, episodes: list[Episod
 
 def decode_episodes(model, tool_loop: ToolLoop, tasks: list[TaskItem], policy: SamplingPolicy,
                     generator: torch.Generator | None, vocab_limit: int, batch_size: int,
-                    use_graph: bool, on_batch=None, fuse_weights: bool = True) -> tuple[list[Episode], StaticDecoder]:
-    """The slot engine, with or without the CUDA graph (without: the same forward, run eagerly)."""
+                    use_graph: bool, on_batch=None, fuse_weights: bool = True,
+                    kernels: bool | None = False) -> tuple[list[Episode], StaticDecoder]:
+    """The slot engine, with or without the CUDA graph (without: the same forward, run eagerly); `kernels`:
+    the Triton decode step (True), the module step (False), or whichever is faster for the model (None)."""
     check_dropout_off(model)
     episodes = [tool_loop.start(task) for task in tasks]
     if not episodes:
@@ -377,14 +401,15 @@ def decode_episodes(model, tool_loop: ToolLoop, tasks: list[TaskItem], policy: S
     # A slot holds at most max_total_tokens fed tokens (the last sampled token is never fed),
     # or the prompt alone when the prompt is longer than that.
     max_len = max(tool_loop.budget.max_total_tokens, max(len(e.pending) for e in episodes))
-    decoder = StaticDecoder(model, min(batch_size, len(episodes)), max_len, use_graph, fuse_weights)
+    decoder = StaticDecoder(model, min(batch_size, len(episodes)), max_len, use_graph, fuse_weights, kernels)
     return run_slots(decoder, tool_loop, episodes, policy, generator, vocab_limit, on_batch), decoder
 
 
 def run_episodes_fast(model, tokenizer, task: Task, tasks: list[TaskItem], policy: SamplingPolicy, budget: Budget,
                       generator: torch.Generator | None, vocab_limit: int, device: str, batch_size: int,
-                      on_batch=None) -> list[Episode]:
-    """`run_episodes` with the CUDA-graph engine on CUDA, the plain loop elsewhere."""
+                      on_batch=None, kernels: bool | None = None) -> list[Episode]:
+    """`run_episodes` with the CUDA-graph engine on CUDA, the plain loop elsewhere; `kernels` as in
+    `decode_episodes` (None: the Triton decode step where it is faster)."""
     reason = unsupported_reason(model) if device == "cuda" else "not on CUDA"
     if reason is not None:
         if device == "cuda":
@@ -392,5 +417,5 @@ def run_episodes_fast(model, tokenizer, task: Task, tasks: list[TaskItem], polic
         return run_episodes_plain(model, tokenizer, task, tasks, policy, budget, generator, vocab_limit, device,
                                   batch_size, on_batch)
     episodes, _ = decode_episodes(model, ToolLoop(tokenizer, task, budget), tasks, policy, generator, vocab_limit,
-                                  batch_size, use_graph=True, on_batch=on_batch)
+                                  batch_size, use_graph=True, on_batch=on_batch, kernels=kernels)
     return episodes

@@ -1,7 +1,9 @@
 """One place that picks the decoding engine for a rollout or a verify.
 
-`auto` takes the CUDA-graph slot engine on CUDA for the models it covers and
-the plain loop everywhere else; `plain` always takes the plain loop. Both
+`auto` takes the CUDA-graph slot engine on CUDA for the models it covers
+(its decode step through the Triton kernels where those are faster:
+fused_step.AUTO_MAX_SLOTS) and the plain loop everywhere else; `graph` the
+same engine with the module-by-module step only; `plain` always the plain loop. Both
 return the same `Episode` objects through the same `ToolLoop`.
 """
 
@@ -18,10 +20,11 @@ from miniverl.engine.tasks.base import Task, TaskItem
 def run_episodes(model, tokenizer, task: Task, tasks: list[TaskItem], policy: SamplingPolicy, budget: Budget,
                  generator: torch.Generator | None, vocab_limit: int, device: str, batch_size: int,
                  on_batch=None, engine: str = "auto") -> list[Episode]:
-    """`engine`: `auto` decodes with the CUDA-graph engine on CUDA; `plain` always runs the forward-pass loop."""
-    if device == "cuda" and engine == "auto":  # the engine runs the plain loop for models it does not cover
+    """`engine`: `auto` decodes with the CUDA-graph engine on CUDA (the Triton decode step where faster),
+    `graph` with that engine's module step, `plain` always with the forward-pass loop."""
+    if device == "cuda" and engine in ("auto", "graph"):  # the engine runs the plain loop for models it does not cover
         return run_episodes_fast(model, tokenizer, task, tasks, policy, budget, generator, vocab_limit, device,
-                                 batch_size, on_batch)
+                                 batch_size, on_batch, kernels=None if engine == "auto" else False)
     return run_episodes_plain(model, tokenizer, task, tasks, policy, budget, generator, vocab_limit, device,
                               batch_size, on_batch)
 

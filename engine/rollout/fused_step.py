@@ -10,8 +10,16 @@ Per layer, instead of the module-by-module step (`StaticDecoder._layers`, ~29 GP
 6. `project(h, [gate, up], norm=post_attention_layernorm, silu_mul=True)`;
 7. `project(act, [down], residual=h)`.
 Then the final norm and the LM head (one cuBLAS GEMV) as the module step
-runs them. The bases are NF4 (bitsandbytes, read in place) or bf16/fp16
+runs them. The bases are NF4 (bitsandbytes, read in place) or bf16/fp16/fp32
 linears, each with one plain LoRA adapter or none (all seven alike).
+
+Where it is faster (`AUTO_MAX_SLOTS`, from benchmarks/results/decode_kernels_h200.md:
+the replayed step on one H200 at Qwen3-0.6B's shape with LoRA r8): NF4 1.96 ms
+against the module step's 3.61 at one slot, 3.66 against 4.30 at four, slower
+at eight; bf16 1.85 against 2.59 at one slot, slower at four. Beyond those
+slot counts the broadcast tiles redo the dequantization per row of x and the
+tensor-core tiles convert layouts: the module step (bitsandbytes' GEMV and
+cuBLAS) wins there.
 """
 
 from __future__ import annotations
@@ -21,6 +29,17 @@ import torch.nn.functional as F
 
 from miniverl.engine.rollout.decode_attention import decode_attention, qk_norm_rope_append
 from miniverl.engine.rollout.decode_projection import Weight, project
+
+
+AUTO_MAX_SLOTS = {"nf4": 4, "dense": 1}  # the most slots at which `rollout.engine: auto` takes the kernel step
+
+
+def auto_choice(fused: list[dict], slots: int) -> str | None:
+    """Why `auto` keeps the module step for these weights and slots, or None when the kernel step is faster."""
+    kind = "dense" if fused[0]["o"][0].dense else "nf4"
+    if slots > AUTO_MAX_SLOTS[kind]:
+        return f"{slots} slots of {kind} weights (the kernel step is faster up to {AUTO_MAX_SLOTS[kind]})"
+    return None
 
 
 def plan_layers(body: torch.nn.Module, dtype: torch.dtype, lora_parts) -> list[dict]:
