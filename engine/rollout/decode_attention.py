@@ -1,7 +1,11 @@
-"""One decode step's attention over the static KV cache, split along the keys (flash-decoding), in Triton.
+"""One decode step's attention over the static KV cache, in Triton: its prologue and the split-key attention.
 
-A building block for the decode kernels of issue 11 (nothing calls it yet;
-its speed is to be measured on a GPU). The cache is the CUDA-graph decoder's
+`qk_norm_rope_append` takes the qkv projection's output to q and the new
+cache entries (q_norm, k_norm, rotary embedding, append); `decode_attention`
+attends, split along the keys (flash-decoding). Both serve the kernel step
+(fused_step.py); measured on an H200 (benchmarks/results/decode_kernels_h200.md)
+the attention is still slower than SDPA over the masked cache (16 vs 12 us at
+one slot), its dots being float32. The cache is the CUDA-graph decoder's
 (`cuda_graph.StaticDecoder`): [slots, kv_heads, max_len, head_dim] for one
 layer, each slot attending to its keys 0..position inclusive, so slots at
 different lengths share one launch and no mask tensor exists.

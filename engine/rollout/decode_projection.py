@@ -2,19 +2,21 @@
 
 The decode step (fused_step.py) reads every weight once per token, so its
 speed is the weight bytes over the memory bandwidth, plus one launch per
-kernel. This module gives it three kernels per layer for the seven linears:
+kernel. This module gives it one kernel, launched four times a layer for the
+seven linears:
 
 - `project(x, [q, k, v], norm=...)`: the input RMSNorm, then q, k and v side by
   side into one [B, Nq + Nk + Nv] output (each program takes BLOCK_N rows of
   one of the three weights);
-- `project(x, [o], residual=h)`: one weight with the residual added;
+- `project(x, [o], residual=h)` and `project(act, [down], residual=h)`: one
+  weight with the residual added;
 - `project(x, [gate, up], norm=..., silu_mul=True)`: the post-attention
   RMSNorm, both weights for the same rows, SiLU(gate) * up in the epilogue.
 
 A weight (`Weight.of(base_layer, A, B)`) is the very tensor the training step
 uses: bitsandbytes' packed NF4 codes with their (double-quantized) absmax, read
 and dequantized in registers (no second copy, no re-quantization), or a dense
-bf16/fp16 matrix. The LoRA adapter's x @ A.T accumulates along K beside the
+bf16/fp16/fp32 matrix. The LoRA adapter's x @ A.T accumulates along K beside the
 product and meets B (already scaled by alpha / r) in the epilogue.
 
 bitsandbytes' NF4 layout, for a [N, K] weight flattened row-major: byte i
