@@ -193,33 +193,40 @@ def qwen3_0_6b(dtype, seed=0, layers=28):
         return Qwen3ForCausalLM(config).to(dtype).eval()
 
 
+# kernels: the decode step module by module (False) or through the Triton decode kernels (True).
+STEPS = pytest.mark.parametrize("kernels", [False, True], ids=["module-step", "kernel-step"])
+
+
 @gpu
 @needs_cuda
-def test_gpu_graph_greedy_matches_full_recompute_float32():
+@STEPS
+def test_gpu_graph_greedy_matches_full_recompute_float32(kernels: bool):
     tokenizer = load_tokenizer()
     model = with_random_lora(qwen3_0_6b(torch.float32))
     tasks = make_tasks("train", 5, 6)
     want = full_recompute_greedy(model, ScriptedToolLoop(tokenizer, CALC, BUDGET), tasks, TOKENIZER_SIZE, "cuda")
     got, decoder = decode_episodes(model, ScriptedToolLoop(tokenizer, CALC, BUDGET), tasks, GREEDY, None, TOKENIZER_SIZE,
-                                   batch_size=2, use_graph=True)
-    assert decoder.mode == "graph"
+                                   batch_size=2, use_graph=True, kernels=kernels)
+    assert decoder.mode == "graph" and (decoder.fused is not None) == kernels
     assert_same_episodes(got, want, atol=2e-3)
 
 
-def _sampled_logprob_errors(model, tokenizer):
+def _sampled_logprob_errors(model, tokenizer, kernels: bool):
     policy = SamplingPolicy(greedy=False, temperature=1.0, top_p=1.0)
     gen = torch.Generator("cuda").manual_seed(9)
     episodes, decoder = decode_episodes(model, ScriptedToolLoop(tokenizer, CALC, BUDGET), make_tasks("train", 8, 8), policy,
-                                        gen, TOKENIZER_SIZE, batch_size=4, use_graph=True)
+                                        gen, TOKENIZER_SIZE, batch_size=4, use_graph=True, kernels=kernels)
     errors = torch.cat([(torch.tensor(e.sampling_logprobs, device="cuda") - recomputed_logprobs(model, e, policy, TOKENIZER_SIZE, "cuda")).abs()
                         for e in episodes])
+    assert (decoder.fused is not None) == kernels
     return decoder.mode, errors
 
 
 @gpu
 @needs_cuda
-def test_gpu_graph_bf16_sampled_logprobs_match_full_forward():
-    mode, errors = _sampled_logprob_errors(with_random_lora(qwen3_0_6b(torch.bfloat16)), load_tokenizer())
+@STEPS
+def test_gpu_graph_bf16_sampled_logprobs_match_full_forward(kernels: bool):
+    mode, errors = _sampled_logprob_errors(with_random_lora(qwen3_0_6b(torch.bfloat16)), load_tokenizer(), kernels)
     print(f"bf16: mean |dlogprob| {errors.mean():.4f}, max {errors.max():.4f} over {errors.numel()} tokens")
     assert mode == "graph"
     assert errors.mean() < 0.03 and errors.max() < 0.3
@@ -227,13 +234,14 @@ def test_gpu_graph_bf16_sampled_logprobs_match_full_forward():
 
 @gpu
 @needs_cuda
-def test_gpu_graph_nf4_sampled_logprobs_match_full_forward(tmp_path):
+@STEPS
+def test_gpu_graph_nf4_sampled_logprobs_match_full_forward(tmp_path, kernels: bool):
     pytest.importorskip("bitsandbytes")
     from miniverl.engine.models.loading import load_causal_lm
 
     qwen3_0_6b(torch.bfloat16, layers=8).save_pretrained(tmp_path)
     model = with_random_lora(load_causal_lm(tmp_path, torch.bfloat16, "cuda", nf4=True))
-    mode, errors = _sampled_logprob_errors(model, load_tokenizer())
+    mode, errors = _sampled_logprob_errors(model, load_tokenizer(), kernels)
     print(f"nf4: decoder mode {mode}; mean |dlogprob| {errors.mean():.4f}, max {errors.max():.4f} over {errors.numel()} tokens")
     assert mode == "graph", "bitsandbytes Linear4bit could not be captured in a CUDA graph"
     assert errors.mean() < 0.03 and errors.max() < 0.3
