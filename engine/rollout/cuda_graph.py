@@ -202,8 +202,8 @@ class StaticDecoder:
         try:
             from miniverl.engine.rollout.fused_step import auto_choice, plan_layers, rotary_tables
 
-            fused = plan_layers(self.body, self.dtype, _lora_parts)
-            reason = None if required else auto_choice(fused, slots)
+            reason = None if required else auto_choice(self.body, slots)
+            fused = None if reason is not None else plan_layers(self.body, self.dtype, _lora_parts)
         except (ImportError, ValueError) as exc:  # no Triton, or a model the kernels do not cover
             if required:
                 raise

@@ -34,9 +34,11 @@ from miniverl.engine.rollout.decode_projection import Weight, project
 AUTO_MAX_SLOTS = {"nf4": 4, "dense": 1}  # the most slots at which `rollout.engine: auto` takes the kernel step
 
 
-def auto_choice(fused: list[dict], slots: int) -> str | None:
-    """Why `auto` keeps the module step for these weights and slots, or None when the kernel step is faster."""
-    kind = "dense" if fused[0]["o"][0].dense else "nf4"
+def auto_choice(body: torch.nn.Module, slots: int) -> str | None:
+    """Why `auto` keeps the module step for this model and slot count, or None when the kernel step is faster.
+    Read off the first projection alone, before `plan_layers` visits every weight."""
+    o_proj = body.layers[0].self_attn.o_proj
+    kind = "dense" if getattr(getattr(o_proj, "base_layer", o_proj).weight, "quant_state", None) is None else "nf4"
     if slots > AUTO_MAX_SLOTS[kind]:
         return f"{slots} slots of {kind} weights (the kernel step is faster up to {AUTO_MAX_SLOTS[kind]})"
     return None
