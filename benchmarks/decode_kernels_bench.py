@@ -74,8 +74,9 @@ def copy_bandwidth() -> float:
 
 
 def configs(batch: int):
-    """(product, block_n, block_k) to try: broadcast sums for up to 8 rows (the fastest of a wider sweep on the
-    H200: block_k 256 and block_n 2 never won), tensor-core dots from 8."""
+    """(product, block_n, block_k) to try: broadcast sums for up to 8 rows, tensor-core dots from 8. A wider
+    sweep on the H200 (results/decode_kernels_h200_first_sweep.json, an earlier version of the kernel) never
+    chose block_k 256 or block_n 2 for broadcast tiles."""
     if batch <= 8:
         for block_n, block_k in itertools.product((4, 8, 16), (512, 1024)):
             yield PRODUCT_BROADCAST, block_n, block_k
