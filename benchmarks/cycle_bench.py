@@ -18,6 +18,9 @@ reported apart from cycles 1-2.
 - `side_by_side_*`: the comparison work with the other implementation of
   the spec (6 rollouts, 96 new tokens per turn, `topk_tail` top-64, chunk
   256) with the baseline engine and with this one at a 4 GiB budget.
+- `--profile`: each run under cProfile; the JSON keeps the top functions by
+  cumulative and own host seconds (where a stage's time goes besides the GPU).
+- `--set KEY=VALUE`: an extra override for this engine's runs (`rollout.engine=graph`).
 - `decode`: `benchmarks/rollout_bench.py` (bf16 and NF4 decode step at batch
   1, 8, 32 with its fraction of the measured copy bandwidth), with `--decode`.
 """
@@ -27,10 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pstats
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -69,13 +75,29 @@ def stages_by_cycle(run_dir: Path) -> dict:
                                       + [s["peak_allocated_gib"] for s in others.values()])}
 
 
+def profile_summary(path: Path, top: int = 60) -> dict:
+    """The functions that took the run's host time, by cumulative and by own seconds (cProfile)."""
+    stats = pstats.Stats(str(path))
+    rows = []
+    for (file, line, func), (_calls, ncalls, own, cumulative, _callers) in stats.stats.items():
+        rows.append({"function": f"{Path(file).name}:{line}:{func}", "calls": ncalls, "own_s": round(own, 4),
+                     "cumulative_s": round(cumulative, 4)})
+    return {"total_s": round(stats.total_tt, 3),
+            "by_cumulative": sorted(rows, key=lambda r: -r["cumulative_s"])[:top],
+            "by_own": sorted(rows, key=lambda r: -r["own_s"])[:top]}
+
+
 def one_run(name: str, recipe_file: Path, overrides: dict, work: Path, log: Path, env: dict | None,
-            budget_gib: float | None) -> dict:
+            budget_gib: float | None, profile: bool = False) -> dict:
     recipe = write_recipe(str(recipe_file), {**COMMON, **overrides}, work / f"{name}.yaml")
     run_id = f"bench-{name}"
-    step = cli(["run", str(recipe), "--run-id", run_id, "--runs-dir", str(work / "runs")], log, env, timeout=540)
+    profile_file = work / f"{name}.pstats"
+    step = cli(["run", str(recipe), "--run-id", run_id, "--runs-dir", str(work / "runs")], log, env, timeout=540,
+               python_args=("-m", "cProfile", "-o", str(profile_file)) if profile else ())
     run_dir = work / "runs" / run_id
     result: dict = {"command": step, "overrides": {**COMMON, **overrides}}
+    if profile and profile_file.is_file():
+        result["host_profile"] = profile_summary(profile_file)
     if (run_dir / "events.jsonl").is_file():
         result.update(stages_by_cycle(run_dir))
     if (run_dir / "resolved.json").is_file():
@@ -95,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", type=Path, help="a checkout of the engine to compare with (its repository root)")
     parser.add_argument("--decode", action="store_true", help="also run benchmarks/rollout_bench.py")
     parser.add_argument("--only", action="append", help="run only these configurations")
+    parser.add_argument("--profile", action="store_true",
+                        help="run each configuration under cProfile and record where its host time went")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an extra recipe override for every configuration of this engine (YAML value)")
     args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     log = args.work / "log.txt"
@@ -104,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2, default=str))
 
+    extra = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.set)}
     assets = build_assets(args.work, ("calc",))
     paths = {"models.student.path": assets["dirs"]["qwen3-0.6b"], "models.teacher.path": assets["dirs"]["qwen3-1.7b"]}
     ours = ROOT / "recipes" / "qwen_consumer_gpu_calc.yaml"
@@ -130,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and name not in args.only:
             continue
         started = time.perf_counter()
-        result["runs"][name] = one_run(name, recipe_file, overrides, args.work, log, env, budget)
+        if env is None:
+            overrides = {**overrides, **extra}
+        result["runs"][name] = one_run(name, recipe_file, overrides, args.work, log, env, budget, args.profile)
         result["runs"][name]["wall_seconds"] = round(time.perf_counter() - started, 1)
         save()
         print(name, json.dumps({k: v for k, v in result["runs"][name].items() if k not in ("plan", "cycles")},

@@ -74,7 +74,8 @@ def write_recipe(shipped: str, overrides: dict, path: Path) -> Path:
     return path
 
 
-def cli(args: list[str], log: Path, env_extra: dict | None = None, timeout: float = 900) -> dict:
+def cli(args: list[str], log: Path, env_extra: dict | None = None, timeout: float = 900,
+        python_args: tuple[str, ...] = ()) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MINIVERL_FAULT")}
     env.update({"PYTHONUNBUFFERED": "1", **(env_extra or {})})
     started = time.perf_counter()
@@ -82,7 +83,7 @@ def cli(args: list[str], log: Path, env_extra: dict | None = None, timeout: floa
         handle.write(f"\n$ miniverl {' '.join(args)}  {env_extra or ''}\n")
         handle.flush()
         try:
-            rc = subprocess.run([sys.executable, "-m", "miniverl.engine.cli.app", *args], stdout=handle,
+            rc = subprocess.run([sys.executable, *python_args, "-m", "miniverl.engine.cli.app", *args], stdout=handle,
                                 stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
