@@ -6,8 +6,8 @@ For each launch of the kernel step (engine/rollout/fused_step.py) — qkv (input
 RMSNorm + q, k, v), o (+ residual), gate_up (post-attention RMSNorm + gate, up,
 SiLU * up), down (+ residual), LoRA r16 on every weight — and batch 1, 8, 32,
 NF4 and bf16 weights: `decode_projection.project` at each way to multiply
-(broadcast sums for a few rows, tensor-core dots for more), tile (block_n,
-block_k) and NF4 layout (nibbles interleaved or split), against what the module step runs for the same group (bitsandbytes'
+(broadcast sums for a few rows, tensor-core dots for more) and tile (block_n,
+block_k), against what the module step runs for the same group (bitsandbytes'
 NF4 matmul or one stacked cuBLAS matmul per group, plus the LoRA matmuls, the
 norm and the adds). Then `decode_attention` over a 704-key cache at each split
 length against SDPA. Times are per call, from a CUDA graph of `--calls`
@@ -73,17 +73,16 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() / (us / 1e6)
 
 
-def configs(batch: int, kind: str):
-    """(product, block_n, block_k, split_nibbles) to try: broadcast sums up to 8 rows, tensor-core dots from 4;
-    NF4 tiles interleaved and split. A wider sweep on the H200 (results/decode_kernels_h200_first_sweep.json,
-    an earlier version of the kernel) never chose block_k 256 or block_n 2 for broadcast tiles."""
-    layouts = (False, True) if kind == "nf4" else (False,)
+def configs(batch: int):
+    """(product, block_n, block_k) to try: broadcast sums for up to 8 rows, tensor-core dots from 8. A wider
+    sweep on the H200 (results/decode_kernels_h200_first_sweep.json, an earlier version of the kernel) never
+    chose block_k 256 or block_n 2 for broadcast tiles."""
     if batch <= 8:
-        for (block_n, block_k), split in itertools.product(((8, 1024), (16, 512)), layouts):
-            yield PRODUCT_BROADCAST, block_n, block_k, split
-    if batch >= 4:
-        for (block_n, block_k), split in itertools.product(((16, 256), (32, 256), (32, 128)), layouts):
-            yield PRODUCT_TENSOR_CORE, block_n, block_k, split
+        for block_n, block_k in itertools.product((4, 8, 16), (512, 1024)):
+            yield PRODUCT_BROADCAST, block_n, block_k
+    if batch >= 8:
+        for block_n, block_k in ((16, 256), (32, 256), (32, 128)):
+            yield PRODUCT_TENSOR_CORE, block_n, block_k
 
 
 def bench_group(name, kind, batch, args, bandwidth, rows, write):
@@ -130,15 +129,14 @@ def bench_group(name, kind, batch, args, bandwidth, rows, write):
     base = {"group": name, "weights": kind, "batch": batch, "k": k, "widths": widths, "weight_bytes": weight_bytes}
     us = graph_us(module_step, args.calls, args.replays)
     rows.append({**base, "impl": "module step", "us": us, "bw_fraction": weight_bytes / (us / 1e6) / bandwidth})
-    for product, block_n, block_k, split in configs(batch, kind):
+    for product, block_n, block_k in configs(batch):
         for warps in args.warps:
             def call():
                 return project(x, weights, norm_weight=gamma if norm else None, residual=res, silu_mul=silu,
-                               block_n=block_n, block_k=block_k, product=product, num_warps=warps,
-                               split_nibbles=split)
+                               block_n=block_n, block_k=block_k, product=product, num_warps=warps)
 
             row = {**base, "impl": "project", "product": product, "block_n": block_n, "block_k": block_k,
-                   "num_warps": warps, "split_nibbles": split}
+                   "num_warps": warps}
             try:
                 row["rel_err_vs_module"] = float((call().double() - want).norm() / want.norm())
                 row["us"] = graph_us(call, args.calls, args.replays)
@@ -191,7 +189,7 @@ def best(rows):
             out.append({"what": key[0], "weights": key[1], "batch": key[2], "module_step_us": theirs[0]["us"],
                         "best_us": top["us"], "speedup": theirs[0]["us"] / top["us"],
                         "best_bw_fraction": top["bw_fraction"],
-                        "best": {c: top[c] for c in ("product", "block_n", "block_k", "split_nibbles", "num_warps", "split_len",
+                        "best": {c: top[c] for c in ("product", "block_n", "block_k", "num_warps", "split_len",
                                                      "block_l") if c in top}})
     return out
 

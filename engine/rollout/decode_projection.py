@@ -39,7 +39,6 @@ interpreter (which has no half-precision dot) by float32 ones.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import triton
@@ -103,93 +102,57 @@ def _inverse_rms(x_base, batch_ok, K, eps, BLOCK_B: tl.constexpr, BLOCK_K: tl.co
 
 
 @triton.jit
-def _normed(x_base, batch_ok, cols, col_ok, inv_rms, norm_ptr, NORM: tl.constexpr, DTYPE: tl.constexpr):
-    """x[:, cols] in float32, RMS-normalized as Qwen3RMSNorm rounds (to x's dtype, times the weight, again)."""
-    x = tl.load(x_base + cols[None, :], mask=batch_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    if NORM:
-        gamma = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        x = round_to_dtype(round_to_dtype(x * inv_rms[:, None], DTYPE) * gamma, DTYPE)
-    return x
-
-
-@triton.jit
-def _nf4_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset, index, ok, NESTED: tl.constexpr):
-    """The absmax of each 64-element block at `index` (float32), through the nested code where double-quantized."""
-    if NESTED:
-        quantized = tl.load(absmax_ptr + index, mask=ok, other=0).to(tl.int32)
-        return tl.load(code2_ptr + quantized) * tl.load(absmax2_ptr + index // 256, mask=ok, other=0.0) + offset
-    else:
-        return tl.load(absmax_ptr + index, mask=ok, other=0.0)
-
-
-@triton.jit
 def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
           a_ptr, b_ptr, r, rows, N, K,
           DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr, DTYPE: tl.constexpr,
           BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-          PRODUCT: tl.constexpr, SPLIT: tl.constexpr):
+          PRODUCT: tl.constexpr):
     """norm(x) @ W[rows].T + (norm(x) @ A.T) @ B[rows].T for BLOCK_B rows of x, float32 [BLOCK_B, BLOCK_N].
 
-    An NF4 tile is BLOCK_N rows of BLOCK_K / 2 bytes, one absmax per 32 bytes (K is a multiple of 64, so
-    blocks never straddle rows). SPLIT keeps the high nibbles (even columns) and the low ones (odd columns) as
-    two half-width tiles, each multiplied by x's even or odd columns: no interleaving into one tile, which costs
-    register shuffles before a dot. Otherwise the tile is read as [BLOCK_N, BLOCK_K / 64, 32] bytes and its
-    nibbles interleaved back into columns.
+    An NF4 tile is read as [BLOCK_N, BLOCK_K / 64, 32] bytes: one absmax per 64-element block (K is a multiple
+    of 64, so blocks never straddle rows), each byte's high and low nibbles interleaved back into columns.
     """
     ks = tl.arange(0, BLOCK_K)
-    halves = tl.arange(0, BLOCK_K // 2)
     groups = tl.arange(0, BLOCK_K // 64)  # 64: QUANT_BLOCK (a plain global cannot enter a Triton function)
     in_group = tl.arange(0, 32)
     ranks = tl.arange(0, BLOCK_R)
     row_ok = rows < N
-    rank_ok = ranks < r
     blocks_per_row = K // 64
     acc = tl.zeros((BLOCK_B, BLOCK_N), dtype=tl.float32)
     xa = tl.zeros((BLOCK_B, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if DENSE or not SPLIT:
-            cols = k0 + ks
-            col_ok = cols < K
-            if DENSE:
-                w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
-                            mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-            else:
-                block = k0 // 64 + groups
-                scale_index = rows[:, None].to(tl.int64) * blocks_per_row + block[None, :]  # [BLOCK_N, GROUPS]
-                scale_ok = row_ok[:, None] & (block < blocks_per_row)[None, :]
-                scale = _nf4_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset, scale_index, scale_ok, NESTED)
-                packed = tl.load(w_ptr + scale_index[:, :, None] * 32 + in_group[None, None, :],
-                                 mask=scale_ok[:, :, None], other=0).to(tl.int32)
-                # Rounded to x's dtype as bitsandbytes' dequantize rounds them: the weights its matmul uses.
-                high = round_to_dtype(tl.load(code_ptr + (packed >> 4)) * scale[:, :, None], DTYPE)
-                low = round_to_dtype(tl.load(code_ptr + (packed & 15)) * scale[:, :, None], DTYPE)
-                w = tl.reshape(tl.interleave(high, low), (BLOCK_N, BLOCK_K))
-            x = _normed(x_base, batch_ok, cols, col_ok, inv_rms, norm_ptr, NORM, DTYPE)
-            acc += _product(x, w, PRODUCT, DTYPE)
-            if LORA:  # A is [r, K]
-                a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=rank_ok[:, None] & col_ok[None, :],
-                            other=0.0).to(tl.float32)
-                xa += _product(x, a, PRODUCT, DTYPE)
+        cols = k0 + ks
+        col_ok = cols < K
+        if DENSE:
+            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                        other=0.0).to(tl.float32)
         else:
-            even = k0 + 2 * halves  # the columns of the high nibbles; the low ones are even + 1
-            col_ok = even < K
-            ok = row_ok[:, None] & col_ok[None, :]
-            byte_index = rows[:, None].to(tl.int64) * (K // 2) + (even // 2)[None, :]
-            scale = _nf4_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset, byte_index // 32, ok, NESTED)
-            packed = tl.load(w_ptr + byte_index, mask=ok, other=0).to(tl.int32)
-            w_even = round_to_dtype(tl.load(code_ptr + (packed >> 4)) * scale, DTYPE)
-            w_odd = round_to_dtype(tl.load(code_ptr + (packed & 15)) * scale, DTYPE)
-            x_even = _normed(x_base, batch_ok, even, col_ok, inv_rms, norm_ptr, NORM, DTYPE)
-            x_odd = _normed(x_base, batch_ok, even + 1, col_ok, inv_rms, norm_ptr, NORM, DTYPE)
-            acc += _product(x_even, w_even, PRODUCT, DTYPE) + _product(x_odd, w_odd, PRODUCT, DTYPE)
-            if LORA:
-                a_index = ranks[:, None] * K + even[None, :]
-                a_ok = rank_ok[:, None] & col_ok[None, :]
-                a_even = tl.load(a_ptr + a_index, mask=a_ok, other=0.0).to(tl.float32)
-                a_odd = tl.load(a_ptr + a_index + 1, mask=a_ok, other=0.0).to(tl.float32)
-                xa += _product(x_even, a_even, PRODUCT, DTYPE) + _product(x_odd, a_odd, PRODUCT, DTYPE)
+            block = k0 // 64 + groups
+            scale_index = rows[:, None].to(tl.int64) * blocks_per_row + block[None, :]  # [BLOCK_N, GROUPS]
+            scale_ok = row_ok[:, None] & (block < blocks_per_row)[None, :]
+            if NESTED:
+                quantized = tl.load(absmax_ptr + scale_index, mask=scale_ok, other=0).to(tl.int32)
+                scale = tl.load(code2_ptr + quantized) * tl.load(absmax2_ptr + scale_index // 256,
+                                                                 mask=scale_ok, other=0.0) + offset
+            else:
+                scale = tl.load(absmax_ptr + scale_index, mask=scale_ok, other=0.0)
+            packed = tl.load(w_ptr + scale_index[:, :, None] * 32 + in_group[None, None, :],
+                             mask=scale_ok[:, :, None], other=0).to(tl.int32)
+            # Rounded to x's dtype as bitsandbytes' dequantize rounds them: the weights its matmul uses.
+            high = round_to_dtype(tl.load(code_ptr + (packed >> 4)) * scale[:, :, None], DTYPE)
+            low = round_to_dtype(tl.load(code_ptr + (packed & 15)) * scale[:, :, None], DTYPE)
+            w = tl.reshape(tl.interleave(high, low), (BLOCK_N, BLOCK_K))
+        x = tl.load(x_base + cols[None, :], mask=batch_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        if NORM:  # as Qwen3RMSNorm rounds: normalized x to x's dtype, then times the weight, rounded again
+            gamma = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            x = round_to_dtype(round_to_dtype(x * inv_rms[:, None], DTYPE) * gamma, DTYPE)
+        acc += _product(x, w, PRODUCT, DTYPE)
+        if LORA:  # A is [r, K]
+            a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=(ranks[:, None] < r) & col_ok[None, :],
+                        other=0.0).to(tl.float32)
+            xa += _product(x, a, PRODUCT, DTYPE)
     if LORA:  # B is [N, r], scaled by alpha / r
-        b_tile = tl.load(b_ptr + rows[:, None] * r + ranks[None, :], mask=row_ok[:, None] & rank_ok[None, :],
+        b_tile = tl.load(b_ptr + rows[:, None] * r + ranks[None, :], mask=row_ok[:, None] & (ranks[None, :] < r),
                          other=0.0).to(tl.float32)
         acc += _product(xa, b_tile, 0 if PRODUCT == 1 else PRODUCT, DTYPE)
     return acc
@@ -215,7 +178,7 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
              PARTS: tl.constexpr, SILU_MUL: tl.constexpr, DENSE: tl.constexpr, NESTED: tl.constexpr,
              NORM: tl.constexpr, LORA: tl.constexpr, RESIDUAL: tl.constexpr, DTYPE: tl.constexpr,
              BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-             PRODUCT: tl.constexpr, SPLIT: tl.constexpr):
+             PRODUCT: tl.constexpr):
     block = tl.program_id(0)
     batch = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     batch_ok = batch < B
@@ -228,10 +191,10 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
         rows = block * BLOCK_N + local
         gate = round_to_dtype(_tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr,
                             offset0, a0, b0, r, rows, n0, K, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N,
-                            BLOCK_K, BLOCK_R, PRODUCT, SPLIT), DTYPE)
+                            BLOCK_K, BLOCK_R, PRODUCT), DTYPE)
         up = round_to_dtype(_tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr, code2_ptr, offset1,
                           a1, b1, r, rows, n1, K, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K,
-                          BLOCK_R, PRODUCT, SPLIT), DTYPE)
+                          BLOCK_R, PRODUCT), DTYPE)
         acc = round_to_dtype(gate / (1.0 + tl.exp(-gate)), DTYPE) * up
         _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, rows < n0, residual_ptr, stride_rb, RESIDUAL)
     else:  # the parts side by side: this program's rows lie in one of them
@@ -241,7 +204,7 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
             rows = block * BLOCK_N + local
             acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr, offset0,
                         a0, b0, r, rows, n0, K, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R,
-                        PRODUCT, SPLIT)
+                        PRODUCT)
             _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, rows < n0, residual_ptr, stride_rb, RESIDUAL)
         else:
             if PARTS > 1:
@@ -249,7 +212,7 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
                     rows = (block - blocks0) * BLOCK_N + local
                     acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr, code2_ptr,
                                 offset1, a1, b1, r, rows, n1, K, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N,
-                                BLOCK_K, BLOCK_R, PRODUCT, SPLIT)
+                                BLOCK_K, BLOCK_R, PRODUCT)
                     _store(acc, y_ptr, stride_yb, batch, batch_ok, n0 + rows, rows < n1, residual_ptr, stride_rb,
                            RESIDUAL)
                 else:
@@ -257,7 +220,7 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
                         rows = (block - blocks0 - blocks1) * BLOCK_N + local
                         acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w2, absmax2, absmax2_2, code_ptr, code2_ptr,
                                     offset2, a2, b2, r, rows, n2, K, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B,
-                                    BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, SPLIT)
+                                    BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT)
                         _store(acc, y_ptr, stride_yb, batch, batch_ok, n0 + n1 + rows, rows < n2, residual_ptr,
                                stride_rb, RESIDUAL)
 
@@ -315,44 +278,32 @@ class Weight:
                    offset=float(state.offset) if nested else 0.0, nested=nested, lora_a=lora_a, lora_b=lora_b)
 
 
-class Tiles(NamedTuple):
-    """How one launch multiplies (`_product`), its tile (block_n rows by block_k columns) and NF4 layout."""
-
-    product: int
-    block_n: int
-    block_k: int
-    split_nibbles: bool = False
-
-
-def tile_config(batch: int, on_gpu: bool) -> Tiles:
-    """The tiles for a launch over `batch` rows of x, from the H200 sweep (benchmarks/decode_kernels_bench.py):
-    up to 8 rows, broadcast sums over 8-row weight tiles 1024 wide (many programs, no 16-row dot minimum); more
-    rows, tensor-core dots."""
+def tile_config(batch: int, on_gpu: bool) -> tuple[int, int, int]:
+    """(product, block_n, block_k) for a launch over `batch` rows of x, from the H200 sweep
+    (benchmarks/decode_kernels_bench.py): up to 8 rows, broadcast sums over 8-row weight tiles 1024 wide (many
+    programs, no 16-row dot minimum); more rows, tensor-core dots."""
     if not on_gpu:  # Triton's interpreter runs programs one by one in Python: the fewest, largest tiles
-        return Tiles(PRODUCT_DOT32, 64, 1024)
+        return PRODUCT_DOT32, 64, 1024
     if batch <= 8:
-        return Tiles(PRODUCT_BROADCAST, 8, 1024)
-    return Tiles(PRODUCT_TENSOR_CORE, 32, 256)
+        return PRODUCT_BROADCAST, 8, 1024
+    return PRODUCT_TENSOR_CORE, 32, 256
 
 
 def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
             residual: torch.Tensor | None = None, silu_mul: bool = False, block_n: int | None = None,
-            block_k: int | None = None, product: int | None = None, num_warps: int = 4,
-            split_nibbles: bool | None = None) -> torch.Tensor:
+            block_k: int | None = None, product: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """norm(x) through 1-3 weights of one kind: side by side -> [B, sum N] (+ residual), or with `silu_mul`
     (two weights, gate then up) SiLU(gate) * up -> [B, N].
 
     `norm_weight`: an RMSNorm of x first (float32 statistics, as Qwen3's); `residual`: [B, N] added at the end;
     `product`, `block_n`, `block_k`: how the tiles multiply (`_product`) and their size; by default
-    `tile_config`'s choice for the batch; `split_nibbles`: NF4 tiles as two half-width tiles (even and odd
-    columns) rather than one interleaved tile (`_tile`).
+    `tile_config`'s choice for the batch.
     """
     k = weights[0].k
     default = tile_config(x.shape[0], x.is_cuda)
     product = default[0] if product is None else product
     block_n = default[1] if block_n is None else block_n
     block_k = default[2] if block_k is None else block_k
-    split_nibbles = default.split_nibbles if split_nibbles is None else split_nibbles
     block_k = min(block_k, max(QUANT_BLOCK, triton.next_power_of_2(k)))  # no tile wider than K needs
     if block_k % QUANT_BLOCK or block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two multiple of {QUANT_BLOCK}; got {block_k}")
@@ -403,5 +354,5 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
         PARTS=len(weights), SILU_MUL=silu_mul, DENSE=first.dense, NESTED=first.nested, NORM=norm_weight is not None,
         LORA=rank > 0, RESIDUAL=residual is not None, DTYPE=dtype_code(x.dtype),
         BLOCK_B=block_b, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, triton.next_power_of_2(max(rank, 1))),
-        PRODUCT=product, SPLIT=split_nibbles, num_warps=num_warps)
+        PRODUCT=product, num_warps=num_warps)
     return y
