@@ -97,3 +97,29 @@ def test_memory_strategy_on_cpu_is_resident():
 def test_optimizer_auto():
     assert device.resolve_optimizer("auto", "cuda").value == "paged_adamw_8bit"
     assert device.resolve_optimizer("auto", "cpu").value == "adamw"
+
+
+def test_collect_garbage_frees_cycles_made_after_a_freeze_and_freezes_the_survivors():
+    import gc
+    import weakref
+
+    from miniverl.engine.core.device import collect_garbage
+
+    class Node:
+        pass
+
+    try:
+        survivor = Node()
+        collect_garbage()  # `survivor` is alive: frozen out of later collections
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        first, second = Node(), Node()  # a reference cycle made after the freeze, like a dropped decoder's
+        first.other, second.other = second, first
+        gone = weakref.ref(first)
+        del first, second
+        assert gone() is not None  # reference counting alone cannot free a cycle
+        collect_garbage()
+        assert gone() is None
+        assert gc.get_freeze_count() >= frozen and survivor is not None
+    finally:
+        gc.unfreeze()
