@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, Mapping, Protocol
 
 import msgspec
@@ -56,8 +57,8 @@ class Output:
     # report still have them after the retention policy removes the file.
     summary: dict[str, Any] | None = None
 
-    @property
-    def sha256(self) -> str:
+    @cached_property
+    def sha256(self) -> str:  # read by the record that names the file and by the writer: hashed once
         return sha256_bytes(self.data)
 
 

@@ -20,7 +20,7 @@ import traceback
 from typing import Any
 
 from miniverl.engine.core import layout
-from miniverl.engine.core.atomic_io import sha256_file, write_bytes_atomic
+from miniverl.engine.core.atomic_io import sha256_file
 from miniverl.engine.core.device import PeakMemory
 from miniverl.engine.core.errors import ArtifactPruned, MiniverlError, StageFailed
 from miniverl.engine.core.faults import kill_point
@@ -175,7 +175,7 @@ class Driver:
         assert set(given) <= set(declared) and not missing, f"{key.id} broke its output contract: {given}"
         written = {}
         for out in outputs:
-            write_bytes_atomic(self.run.root / out.ref.path, out.data)
+            self.run.write_artifact(out.ref.path, out.data, out.sha256)
             kill_point(f"{key.id}:wrote:{out.ref.path}")
             written[out.ref.path] = out.sha256
         return written

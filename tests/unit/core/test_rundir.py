@@ -59,6 +59,34 @@ def test_read_recorded_trusts_only_journaled_bytes(tmp_path) -> None:
         run.read_recorded(Journal("r", {"preflight": done}), ref)
 
 
+def test_bytes_this_process_wrote_are_not_hashed_again_until_the_file_changes(tmp_path, monkeypatch) -> None:
+    import hashlib
+
+    from miniverl.engine.core.atomic_io import sha256_bytes
+
+    run = RunDir(tmp_path)
+    ref = layout.resolved_ref()
+    data = b'{"resolved": {"a": 1}}'
+    run.write_artifact(ref.path, data, sha256_bytes(data))
+    journal = Journal("r", {"preflight": StageRecord(state="done", outputs={ref.path: sha256_bytes(data)})})
+    hashed: list[int] = []
+    real = hashlib.sha256
+    monkeypatch.setattr(hashlib, "sha256", lambda b=b"": hashed.append(len(b)) or real(b))
+    assert run.read_recorded(journal, ref) == {"resolved": {"a": 1}} and hashed == []
+    # The same length rewritten in place (its times set apart, as a clock finer than the writes would):
+    # the bytes are hashed and refused.
+    with open(tmp_path / ref.path, "r+b") as handle:
+        handle.write(b'{"resolved": {"a": 2}}')
+    os.utime(tmp_path / ref.path, ns=(1, 1))
+    with pytest.raises(ArtifactError, match="does not match the hash"):
+        run.read_recorded(journal, ref)
+    assert hashed
+    # Another RunDir of the same directory (another process, a resume) remembers nothing: it hashes.
+    run.write_artifact(ref.path, data, sha256_bytes(data))
+    hashed.clear()
+    assert RunDir(tmp_path).read_recorded(journal, ref) == {"resolved": {"a": 1}} and hashed == [len(data)]
+
+
 @pytest.mark.parametrize("bad", ["../up", "a/b", "", ".hidden", "x" * 101])
 def test_run_ids_cannot_escape_the_runs_directory(bad) -> None:
     with pytest.raises(RunStateError, match="is not allowed"):
