@@ -78,13 +78,17 @@ def stages_by_cycle(run_dir: Path) -> dict:
 def profile_summary(path: Path, top: int = 60) -> dict:
     """The functions that took the run's host time, by cumulative and by own seconds (cProfile)."""
     stats = pstats.Stats(str(path))
-    rows = []
+    rows, ours = [], []
     for (file, line, func), (_calls, ncalls, own, cumulative, _callers) in stats.stats.items():
-        rows.append({"function": f"{Path(file).name}:{line}:{func}", "calls": ncalls, "own_s": round(own, 4),
-                     "cumulative_s": round(cumulative, 4)})
+        row = {"function": f"{Path(file).name}:{line}:{func}", "calls": ncalls, "own_s": round(own, 4),
+               "cumulative_s": round(cumulative, 4)}
+        rows.append(row)
+        if "/miniverl/" in file or file.startswith(str(ROOT)):
+            ours.append({**row, "function": f"{Path(file).parent.name}/{row['function']}"})
     return {"total_s": round(stats.total_tt, 3),
             "by_cumulative": sorted(rows, key=lambda r: -r["cumulative_s"])[:top],
-            "by_own": sorted(rows, key=lambda r: -r["own_s"])[:top]}
+            "by_own": sorted(rows, key=lambda r: -r["own_s"])[:top],
+            "miniverl_by_cumulative": sorted(ours, key=lambda r: -r["cumulative_s"])[:2 * top]}
 
 
 def one_run(name: str, recipe_file: Path, overrides: dict, work: Path, log: Path, env: dict | None,
