@@ -14,7 +14,8 @@ reported apart from cycles 1-2.
 - `baseline`: the engine at `--baseline` (a checkout of an older commit) with
   that commit's shipped recipe: generation batch 1, micro-batch 1, chunk 16.
 - `plan_4gib`, `plan_8gib`: this engine's recipe (every batch size `auto`)
-  at `memory.budget` 4 and 8.
+  at `memory.budget` 4 and 8; `plan_4gib_packed` the same at 4 without
+  `rollout.dense_copy` (decoding on the packed NF4 weights).
 - `side_by_side_*`: the comparison work with the other implementation of
   the spec (6 rollouts, 96 new tokens per turn, `topk_tail` top-64, chunk
   256) with the baseline engine and with this one at a 4 GiB budget.
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ours = ROOT / "recipes" / "qwen_consumer_gpu_calc.yaml"
     configs: list[tuple[str, Path, dict, dict | None, float | None]] = [
         ("plan_4gib", ours, {**paths, "memory.budget": 4}, None, 4.0),
+        ("plan_4gib_packed", ours, {**paths, "memory.budget": 4, "rollout.dense_copy": False}, None, 4.0),
         ("plan_8gib", ours, {**paths, "memory.budget": 8}, None, 8.0),
         ("side_by_side_plan_4gib", ours, {**paths, **SIDE_BY_SIDE, "memory.budget": 4}, None, 4.0),
     ]

@@ -45,7 +45,8 @@ def sample(recipe: Recipe, host: ModelHost, task: Task, adapter: dict[str, torch
             done[0] = n
 
         episodes = run_episodes(model, host.tokenizer, task, tasks, policy, budget, gen, host.vocab_limit,
-                                host.device, r.generation_batch_size, on_batch, engine=r.engine)
+                                host.device, r.generation_batch_size, on_batch, engine=r.engine,
+                                dense_copy=r.dense_copy is True)
     trajectories = []
     for ep in episodes:
         verdict = ep.verdict()

@@ -222,6 +222,11 @@ def fused_loss(recipe: Recipe, device: str, dtype: str) -> bool:
     return recipe.loss.mode == "exact" and device == "cuda" and dtype in ("bfloat16", "float16")
 
 
+def dense_copy_applies(recipe: Recipe, device: str) -> bool:
+    """Whether `rollout.dense_copy` can mean anything: an NF4 student decoded by the CUDA-graph engine."""
+    return recipe.models.student.quantization == "nf4" and device == "cuda" and recipe.rollout.engine != "plain"
+
+
 def estimate(recipe: Recipe, student: ModelShape, teacher: ModelShape, device: str, dtype: str,
              optimizer: str, strategy: str, sizes: Sizes | None = None) -> list[StageEstimate]:
     """Each stage's memory at `sizes` (default: the recipe's own batch sizes)."""
@@ -237,6 +242,9 @@ def estimate(recipe: Recipe, student: ModelShape, teacher: ModelShape, device: s
     lora = lora_parameters(student, recipe.models.student.lora.target_modules, recipe.models.student.lora.r) * FP32
     moments = 2 if optimizer == "paged_adamw_8bit" else 8  # bytes per parameter for the two moments
     swap = strategy == "swap" and device == "cuda" and recipe.models.runtime == "dual_model"
+
+    # rollout.dense_copy: the student's quantized linears once more, in the compute dtype, while it samples.
+    dense_copy = s_linear * b if dense_copy_applies(recipe, device) and recipe.rollout.dense_copy is True else 0
 
     def weights(stage: str) -> int:
         """Resident: both models stay. Swap: an unused teacher waits in host memory (its head stays from
@@ -296,7 +304,7 @@ def estimate(recipe: Recipe, student: ModelShape, teacher: ModelShape, device: s
         StageEstimate(layout.PREFLIGHT, weights(layout.PREFLIGHT), lora, 0, 0, 0, overhead),
         StageEstimate(layout.VERIFY, weights(layout.VERIFY), lora, kv(student, verify_batch),
                       one_layer(student, verify_batch) + work, sampling(student, verify_batch), overhead),
-        StageEstimate(layout.ROLLOUT, weights(layout.ROLLOUT), lora, kv(student, rollout_batch),
+        StageEstimate(layout.ROLLOUT, weights(layout.ROLLOUT) + dense_copy, lora, kv(student, rollout_batch),
                       one_layer(student, rollout_batch) + work, sampling(student, rollout_batch), overhead),
         StageEstimate(layout.TEACHER_SCORE, weights(layout.TEACHER_SCORE), lora, 0, one_layer(teacher, score) + work,
                       teacher_chunk, overhead),

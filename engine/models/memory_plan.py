@@ -28,13 +28,14 @@ from miniverl.engine.core import layout
 from miniverl.engine.core.artifacts import Resolution
 from miniverl.engine.core.errors import RecipeError
 from miniverl.engine.core.recipe import Recipe
-from miniverl.engine.models.memory_estimate import ModelShape, Sizes, StageEstimate, estimate, model_shape
+from miniverl.engine.models.memory_estimate import (ModelShape, Sizes, StageEstimate, dense_copy_applies, estimate,
+                                                   model_shape)
 
 GIB = 2**30
 MIN_MARGIN = 256 * 2**20
 MARGIN_FRACTION = 0.10  # of the free memory an `auto` budget starts from: allocator rounding, other processes
 PLANNED_KEYS = ("memory.budget", "memory.strategy", "rollout.generation_batch_size", "train.trajectory_batch_size",
-                "train.score_batch_size")
+                "train.score_batch_size", "rollout.dense_copy")
 _STAGE_OF = {"generation": layout.ROLLOUT, "micro": layout.GRADIENT, "score": layout.TEACHER_SCORE}
 _KEY_OF = {"generation": "rollout.generation_batch_size", "micro": "train.trajectory_batch_size",
            "score": "train.score_batch_size"}
@@ -53,14 +54,16 @@ class MemoryPlan:
     sizes: Sizes
     resolutions: dict[str, Resolution]  # every key in PLANNED_KEYS: its value here and why
     stages: list[StageEstimate]  # the estimate at the planned sizes (empty for a plan read back from a run)
+    dense_copy: bool = False  # rollout.dense_copy as planned
 
     def applied(self, recipe: Recipe) -> Recipe:
-        """The recipe the stages run: every planned batch size a number."""
+        """The recipe the stages run: every planned batch size a number, rollout.dense_copy a bool."""
         s = self.sizes
         return msgspec.structs.replace(
             recipe,
             train=msgspec.structs.replace(recipe.train, trajectory_batch_size=s.micro, score_batch_size=s.score),
-            rollout=msgspec.structs.replace(recipe.rollout, generation_batch_size=s.generation),
+            rollout=msgspec.structs.replace(recipe.rollout, generation_batch_size=s.generation,
+                                            dense_copy=self.dense_copy),
         )
 
 
@@ -181,12 +184,60 @@ def plan_memory(recipe: Recipe, student: ModelShape, teacher: ModelShape, device
             reason = f"auto: the {_STAGE_OF[name]} stage needs about {need:.2f} GiB of the {budget_gib} budget " \
                      f"(the largest that {limit} allows)"
         resolutions[key] = Resolution(str(value), reason)
+    resolutions["rollout.dense_copy"] = _plan_dense_copy(recipe, student, teacher, device, dtype, optimizer, chosen,
+                                                         sizes, budget)
+    dense_copy = resolutions["rollout.dense_copy"].value == "true"
+    if dense_copy:
+        stages = estimate(_with_dense_copy(recipe, True), student, teacher, device, dtype, optimizer, chosen, sizes)
     if explicit:
         for stage in stages:  # the stages no batch size is planned for
             if stage.stage not in _STAGE_OF.values() and _counted(stage, device) > budget.bytes:
                 raise RecipeError(f"memory.budget: {budget_gib} cannot hold the {stage.stage} stage (about "
                                   f"{_counted(stage, device) / GIB:.2f} GiB); raise it")
-    return MemoryPlan(budget, chosen, sizes, resolutions, stages)
+    return MemoryPlan(budget, chosen, sizes, resolutions, stages, dense_copy)
+
+
+def _with_dense_copy(recipe: Recipe, copy: bool) -> Recipe:
+    return msgspec.structs.replace(recipe, rollout=msgspec.structs.replace(recipe.rollout, dense_copy=copy))
+
+
+def _plan_dense_copy(recipe: Recipe, student: ModelShape, teacher: ModelShape, device: str, dtype: str,
+                     optimizer: str, strategy: str, sizes: Sizes, budget: Budget) -> Resolution:
+    """rollout.dense_copy at the planned sizes: the batch comes first, the copy only where it fits beside it.
+
+    Measured on an H200 at the Qwen3-0.6B shape (NF4 + LoRA r16, results/decode_kernels_h200.md): a decode
+    step of 8 sequences takes 4.7 ms through bitsandbytes' NF4 matmuls and 2.5 ms through plain bf16 ones;
+    one sequence is fastest through the in-register NF4 kernels (2.0 ms), which need no copy."""
+    requested = recipe.rollout.dense_copy
+    if not dense_copy_applies(recipe, device):
+        return Resolution("false", "not applicable: no NF4 student decoded by the CUDA-graph engine here")
+    if requested is False:
+        return Resolution("false", "requested by the recipe")
+
+    def rollout_bytes(copy: bool) -> int:
+        stages = estimate(_with_dense_copy(recipe, copy), student, teacher, device, dtype, optimizer, strategy, sizes)
+        return _counted(_by_stage(stages)[layout.ROLLOUT], device)
+
+    need = rollout_bytes(True)
+    copy = need - rollout_bytes(False)
+    budget_gib = "unknown" if budget.bytes is None else f"{budget.bytes / GIB:.2f} GiB"
+    fits = budget.bytes is None or need <= budget.bytes
+    what = f"the copy ({copy / GIB:.2f} GiB) takes the rollout stage to about {need / GIB:.2f} GiB of the " \
+           f"{budget_gib} budget"
+    if requested is True:
+        if not fits and recipe.memory.budget != "auto":
+            raise RecipeError(f"recipe key rollout.dense_copy: {what}; set it to auto or false, or lower "
+                              "rollout.generation_batch_size")
+        return Resolution("true", f"requested by the recipe; {what}")
+    sequences = min(sizes.generation, recipe.train.rollouts_per_cycle)
+    if sequences <= 1:
+        return Resolution("false", "auto: one sequence at a time decodes fastest through the in-register NF4 kernels")
+    if budget.bytes is None:
+        return Resolution("false", "auto: no memory figure here to fit a copy in")
+    if not fits:
+        return Resolution("false", f"auto: {what}, above it")
+    return Resolution("true", f"auto: {what}; {sequences} sequences decode through plain matmuls on it rather "
+                              "than bitsandbytes' NF4 ones")
 
 
 def recorded_plan(recipe: Recipe, recorded: dict[str, Any], fresh: MemoryPlan) -> MemoryPlan:
@@ -205,7 +256,11 @@ def recorded_plan(recipe: Recipe, recorded: dict[str, Any], fresh: MemoryPlan) -
                   int(values.get("train.trajectory_batch_size", fresh.sizes.micro)),
                   int(values.get("train.score_batch_size", fresh.sizes.score)))
     strategy = str(values.get("memory.strategy", fresh.strategy))
-    return replace_dataclass(fresh, strategy=strategy, sizes=sizes, resolutions=resolutions, stages=[])
+    if "rollout.dense_copy" not in values:  # a run from before the key decodes as it did
+        resolutions["rollout.dense_copy"] = Resolution("false", "not recorded by this run's preflight")
+    dense_copy = values.get("rollout.dense_copy", "false") == "true"
+    return replace_dataclass(fresh, strategy=strategy, sizes=sizes, resolutions=resolutions, stages=[],
+                             dense_copy=dense_copy)
 
 
 def plan_for_configs(recipe: Recipe, configs: dict[str, dict[str, Any] | None], device: str, dtype: str,
@@ -220,6 +275,7 @@ def plan_for_configs(recipe: Recipe, configs: dict[str, dict[str, Any] | None], 
         note = "no memory estimate for this architecture"
         resolutions = {"memory.budget": Resolution("none", note), "memory.strategy": strategy,
                        **{key: Resolution(str(getattr(sizes, n)), "requested by the recipe" if requested[n] != "auto"
-                                          else f"auto: {note}, so one at a time") for n, key in _KEY_OF.items()}}
+                                          else f"auto: {note}, so one at a time") for n, key in _KEY_OF.items()},
+                       "rollout.dense_copy": Resolution("false", f"{note}, so no copy")}
         return MemoryPlan(budget, strategy.value, sizes, resolutions, [])
     return plan_memory(recipe, student, teacher, device, dtype, optimizer, strategy, budget)

@@ -98,20 +98,37 @@ def _lora_parts(module: torch.nn.Module, dtype: torch.dtype):
     return module.base_layer, a.to(dtype), (b.float() * module.scaling[name]).to(dtype)
 
 
+def _dense_weight(base: torch.nn.Module, dtype: torch.dtype, dequantize: bool) -> torch.Tensor | None:
+    """A bias-free base layer's weight as a dense [out, in] matrix: an nn.Linear's own, or with `dequantize` an
+    NF4 layer's, dequantized as bitsandbytes' matmul dequantizes it for more than one row (the same weights it
+    multiplies by); None for anything else."""
+    if getattr(base, "bias", None) is not None:
+        return None
+    if type(base) is torch.nn.Linear:
+        return base.weight
+    state = getattr(base.weight, "quant_state", None)
+    if dequantize and state is not None:
+        import bitsandbytes.functional as bnb_functional
+
+        return bnb_functional.dequantize_4bit(base.weight.data, state).to(dtype)
+    return None
+
+
 class _Proj:
     """Projections of one input (q/k/v, gate/up, or one linear), each base layer plus its LoRA adapter.
 
     The adapters' A matrices are stacked into one matmul, and each B (scaled)
     is added to its base output by one `addmm`: 1 + 2n kernels for n LoRA
-    linears instead of peft's 7 per linear. When the bases are unquantized and
-    the copy fits (`fuse_base`), base weights and A are stacked into one weight,
-    and the group is 2 kernels: one matmul, then `addmm` with a block-diagonal B.
+    linears instead of peft's 7 per linear. When the bases are unquantized (or
+    NF4 with `dequantize`: rollout.dense_copy) and the copy fits (`fuse_base`),
+    base weights and A are stacked into one weight, and the group is 2 kernels:
+    one matmul, then `addmm` with a block-diagonal B.
     LoRA runs in the compute dtype here (peft runs it in float32): a
     difference at the compute dtype's rounding. The adapter is read once, at
     construction: build a new decoder after the adapter changes.
     """
 
-    def __init__(self, modules: list[torch.nn.Module], dtype: torch.dtype, fuse_base: bool):
+    def __init__(self, modules: list[torch.nn.Module], dtype: torch.dtype, fuse_base: bool, dequantize: bool = False):
         self.modules, self.weight, self.a_t, self.b_ts = modules, None, None, []
         try:
             parts = [_lora_parts(m, dtype) for m in modules]
@@ -123,9 +140,11 @@ class _Proj:
         self.out = sum(self.widths)
         adapters = [(i, a, b) for i, (_, a, b) in enumerate(parts) if a is not None]
         a_cat = torch.cat([a for _, a, _ in adapters]) if adapters else None  # (total rank, in)
-        plain = all(type(b) is torch.nn.Linear and b.bias is None for b in self.bases)
-        if fuse_base and plain and (len(modules) > 1 or adapters):
-            self.weight = torch.cat([b.weight for b in self.bases] + ([a_cat] if adapters else []))
+        if fuse_base and (len(modules) > 1 or adapters):
+            dense = [_dense_weight(b, dtype, dequantize) for b in self.bases]
+            if all(w is not None for w in dense):
+                self.weight = torch.cat(dense + ([a_cat] if adapters else []))
+            del dense  # the dequantized matrices: only their stacked copy stays
         if not adapters:
             return
         if self.weight is not None:  # one block-diagonal B over the stacked output
@@ -167,7 +186,7 @@ class StaticDecoder:
     """
 
     def __init__(self, model: torch.nn.Module, slots: int, max_len: int, use_graph: bool, fuse_weights: bool = True,
-                 kernels: bool | None = False):
+                 kernels: bool | None = False, dense_copy: bool = False):
         causal = base_model(model)
         self.body, self.lm_head, config = causal.model, causal.lm_head, causal.config
         embed = self.body.embed_tokens.weight
@@ -180,13 +199,15 @@ class StaticDecoder:
         # Zeros, not empty: masked keys still meet their values (0 * NaN would poison a row).
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.fused_weights = fuse_weights and self._stacked_copy_fits()
+        # dense_copy (rollout.dense_copy, sized by the memory plan): NF4 bases dequantized into the stacked copy.
+        self.dense_copy = dense_copy
+        self.fused_weights = dense_copy or (fuse_weights and self._stacked_copy_fits())
         self.layers = [self._plan(layer) for layer in self.body.layers]
         half = self.head_dim // 2
         self.rot_sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)
         # kernels: the one-token step through the Triton kernels (fused_step); None: where it is faster.
         self.fused, self.kernels_auto = None, kernels is None
-        if kernels or (kernels is None and self.device.type == "cuda"):
+        if kernels or (kernels is None and self.device.type == "cuda" and not dense_copy):
             self.fused = self._plan_kernels(slots, required=bool(kernels))
         self.inputs = torch.zeros(2, slots, dtype=torch.long, device=self.device)  # row 0 token ids, row 1 positions
         self.slot_index = torch.arange(slots, device=self.device)
@@ -227,12 +248,14 @@ class StaticDecoder:
         return copy < torch.cuda.mem_get_info(self.device)[0] / 4
 
     def _plan(self, layer) -> dict:
-        attn, mlp, dtype, fuse = layer.self_attn, layer.mlp, self.dtype, self.fused_weights
+        attn, mlp, dtype, fuse, dense = layer.self_attn, layer.mlp, self.dtype, self.fused_weights, self.dense_copy
         assert attn.q_norm.variance_epsilon == attn.k_norm.variance_epsilon
         return {
             "input_norm": layer.input_layernorm, "post_norm": layer.post_attention_layernorm,
-            "qkv": _Proj([attn.q_proj, attn.k_proj, attn.v_proj], dtype, fuse), "o": _Proj([attn.o_proj], dtype, fuse),
-            "gate_up": _Proj([mlp.gate_proj, mlp.up_proj], dtype, fuse), "down": _Proj([mlp.down_proj], dtype, fuse),
+            "qkv": _Proj([attn.q_proj, attn.k_proj, attn.v_proj], dtype, fuse, dense),
+            "o": _Proj([attn.o_proj], dtype, fuse, dense),
+            "gate_up": _Proj([mlp.gate_proj, mlp.up_proj], dtype, fuse, dense),
+            "down": _Proj([mlp.down_proj], dtype, fuse, dense),
             # q_norm then k_norm weights, one row per head: both norms become one rms_norm and one multiply.
             "qk_weight": torch.cat([attn.q_norm.weight.expand(self.heads, -1), attn.k_norm.weight.expand(self.kv_heads, -1)]),
             "qk_eps": attn.q_norm.variance_epsilon, "act": mlp.act_fn,
@@ -391,9 +414,10 @@ def run_slots(decoder: StaticDecoder, tool_loop: ToolLoop, episodes: list[Episod
 def decode_episodes(model, tool_loop: ToolLoop, tasks: list[TaskItem], policy: SamplingPolicy,
                     generator: torch.Generator | None, vocab_limit: int, batch_size: int,
                     use_graph: bool, on_batch=None, fuse_weights: bool = True,
-                    kernels: bool | None = False) -> tuple[list[Episode], StaticDecoder]:
+                    kernels: bool | None = False, dense_copy: bool = False) -> tuple[list[Episode], StaticDecoder]:
     """The slot engine, with or without the CUDA graph (without: the same forward, run eagerly); `kernels`:
-    the Triton decode step (True), the module step (False), or whichever is faster for the model (None)."""
+    the Triton decode step (True), the module step (False), or whichever is faster for the model (None);
+    `dense_copy`: an NF4 model's bases dequantized into one stacked copy for the module step."""
     check_dropout_off(model)
     episodes = [tool_loop.start(task) for task in tasks]
     if not episodes:
@@ -401,15 +425,16 @@ def decode_episodes(model, tool_loop: ToolLoop, tasks: list[TaskItem], policy: S
     # A slot holds at most max_total_tokens fed tokens (the last sampled token is never fed),
     # or the prompt alone when the prompt is longer than that.
     max_len = max(tool_loop.budget.max_total_tokens, max(len(e.pending) for e in episodes))
-    decoder = StaticDecoder(model, min(batch_size, len(episodes)), max_len, use_graph, fuse_weights, kernels)
+    decoder = StaticDecoder(model, min(batch_size, len(episodes)), max_len, use_graph, fuse_weights, kernels,
+                            dense_copy)
     return run_slots(decoder, tool_loop, episodes, policy, generator, vocab_limit, on_batch), decoder
 
 
 def run_episodes_fast(model, tokenizer, task: Task, tasks: list[TaskItem], policy: SamplingPolicy, budget: Budget,
                       generator: torch.Generator | None, vocab_limit: int, device: str, batch_size: int,
-                      on_batch=None, kernels: bool | None = None) -> list[Episode]:
-    """`run_episodes` with the CUDA-graph engine on CUDA, the plain loop elsewhere; `kernels` as in
-    `decode_episodes` (None: the Triton decode step where it is faster)."""
+                      on_batch=None, kernels: bool | None = None, dense_copy: bool = False) -> list[Episode]:
+    """`run_episodes` with the CUDA-graph engine on CUDA, the plain loop elsewhere; `kernels` and `dense_copy`
+    as in `decode_episodes` (kernels None: the Triton decode step where it is faster)."""
     reason = unsupported_reason(model) if device == "cuda" else "not on CUDA"
     if reason is not None:
         if device == "cuda":
@@ -417,5 +442,6 @@ def run_episodes_fast(model, tokenizer, task: Task, tasks: list[TaskItem], polic
         return run_episodes_plain(model, tokenizer, task, tasks, policy, budget, generator, vocab_limit, device,
                                   batch_size, on_batch)
     episodes, _ = decode_episodes(model, ToolLoop(tokenizer, task, budget), tasks, policy, generator, vocab_limit,
-                                  batch_size, use_graph=True, on_batch=on_batch, kernels=kernels)
+                                  batch_size, use_graph=True, on_batch=on_batch, kernels=kernels,
+                                  dense_copy=dense_copy)
     return episodes

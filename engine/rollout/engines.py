@@ -19,12 +19,14 @@ from miniverl.engine.tasks.base import Task, TaskItem
 
 def run_episodes(model, tokenizer, task: Task, tasks: list[TaskItem], policy: SamplingPolicy, budget: Budget,
                  generator: torch.Generator | None, vocab_limit: int, device: str, batch_size: int,
-                 on_batch=None, engine: str = "auto") -> list[Episode]:
+                 on_batch=None, engine: str = "auto", dense_copy: bool = False) -> list[Episode]:
     """`engine`: `auto` decodes with the CUDA-graph engine on CUDA (the Triton decode step where faster),
-    `graph` with that engine's module step, `plain` always with the forward-pass loop."""
+    `graph` with that engine's module step, `plain` always with the forward-pass loop. `dense_copy`
+    (rollout.dense_copy as planned): that engine's module step on a dequantized copy of NF4 weights."""
     if device == "cuda" and engine in ("auto", "graph"):  # the engine runs the plain loop for models it does not cover
         return run_episodes_fast(model, tokenizer, task, tasks, policy, budget, generator, vocab_limit, device,
-                                 batch_size, on_batch, kernels=None if engine == "auto" else False)
+                                 batch_size, on_batch, kernels=None if engine == "auto" else False,
+                                 dense_copy=dense_copy)
     return run_episodes_plain(model, tokenizer, task, tasks, policy, budget, generator, vocab_limit, device,
                               batch_size, on_batch)
 

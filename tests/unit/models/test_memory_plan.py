@@ -169,3 +169,48 @@ def test_prepare_uses_the_recorded_plan(tmp_path: Path):
     host = prepare(recipe, recorded)
     assert host.plan.sizes == Sizes(5, 3, 2)
     assert host.plan.applied(recipe).rollout.generation_batch_size == 5
+
+
+def test_the_dense_copy_is_planned_where_it_fits_beside_the_batch_and_counted_in_the_rollout_stage():
+    """4 GiB, teacher parked: 8 sequences and the bf16 copy of the NF4 linears (~0.82 GiB) both fit."""
+    four = plan(calc(), 4.0)
+    assert four.dense_copy and four.resolutions["rollout.dense_copy"].value == "true"
+    reason = four.resolutions["rollout.dense_copy"].reason
+    assert reason.startswith("auto: the copy (0.8") and "8 sequences" in reason
+    without = {s.stage: s for s in estimate(calc(), STUDENT, TEACHER, "cuda", "bfloat16", "paged_adamw_8bit",
+                                            four.strategy, four.sizes)}
+    planned = {s.stage: s for s in four.stages}
+    copy = planned["rollout"].weights - without["rollout"].weights
+    assert 0.80 * GIB < copy < 0.85 * GIB  # 28 layers x 15.7 M linear weights in bf16
+    assert counted(planned["rollout"], "cuda") <= 4.0 * GIB
+    assert {k: v for k, v in planned.items() if k != "rollout"} == {k: v for k, v in without.items() if k != "rollout"}
+    assert four.applied(calc()).rollout.dense_copy is True
+
+
+def test_no_dense_copy_for_one_sequence_a_bf16_student_the_plain_engine_or_a_budget_it_does_not_fit():
+    one = plan(calc("rollout.generation_batch_size=1"), 4.0)
+    assert not one.dense_copy and "in-register NF4 kernels" in one.resolutions["rollout.dense_copy"].reason
+    for overrides in (["models.student.quantization=none"], ["rollout.engine=plain"]):
+        got = plan(calc(*overrides), 8.0)
+        assert not got.dense_copy and got.resolutions["rollout.dense_copy"].reason.startswith("not applicable")
+    assert not plan(calc(), 8.0, device="cpu").dense_copy
+    # 8 sequences fixed, resident teacher: the batch fits 4.2 GiB, the copy beside it does not.
+    tight = plan(calc("rollout.generation_batch_size=8", "memory.strategy=resident"), 5.0,
+                 strategy=Resolution("resident", "requested"))
+    assert not tight.dense_copy and tight.resolutions["rollout.dense_copy"].reason.endswith("above it")
+    assert not plan(calc("rollout.dense_copy=false"), 8.0).dense_copy
+    # Asked for: counted in every rollout size tried; refused where even one sequence and the copy do not fit.
+    asked = plan(calc("rollout.dense_copy=true", "memory.budget=5"), 5.0)
+    assert asked.dense_copy and asked.resolutions["rollout.dense_copy"].reason.startswith("requested by the recipe")
+    with pytest.raises(RecipeError, match="rollout.dense_copy: the copy"):
+        plan(calc("rollout.dense_copy=true", "memory.strategy=resident", "memory.budget=4.2"), 4.2,
+             strategy=Resolution("resident", "requested"))
+
+
+def test_a_recorded_plan_keeps_its_dense_copy_and_an_older_run_decodes_without_one():
+    fresh = plan(calc(), 4.0)
+    recorded = {key: {"value": r.value, "reason": r.reason} for key, r in fresh.resolutions.items()}
+    assert recorded_plan(calc(), recorded, fresh).dense_copy
+    older = {k: v for k, v in recorded.items() if k != "rollout.dense_copy"}
+    again = recorded_plan(calc(), older, fresh)
+    assert not again.dense_copy and again.applied(calc()).rollout.dense_copy is False

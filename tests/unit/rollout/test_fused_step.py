@@ -146,3 +146,32 @@ def test_auto_takes_the_kernel_step_only_where_it_was_measured_faster(nf4: bool)
         or DEVICE == "cuda"
     assert cuda_graph.StaticDecoder(model, slots=most + 1, max_len=16, use_graph=False, kernels=None).fused is None
     assert cuda_graph.StaticDecoder(model, slots=most + 1, max_len=16, use_graph=False, kernels=True).fused
+
+
+@torch.no_grad()
+def test_the_dense_copy_decodes_an_nf4_model_as_its_module_step_does():
+    """rollout.dense_copy: the NF4 bases dequantized into one stacked copy per group (and the kernel step off):
+    every step's logits those of the module step on the packed weights and of a full forward, to bf16 rounding."""
+    from miniverl.engine.rollout.cuda_graph import StaticDecoder
+
+    model = with_lora(tiny_model(nf4=True))
+    plain = StaticDecoder(model, slots=3, max_len=64, use_graph=False)
+    dense = StaticDecoder(model, slots=3, max_len=64, use_graph=False, kernels=None, dense_copy=True)
+    assert dense.fused is None and plain.layers[0]["qkv"].weight is None  # packed: one matmul per base
+    stacked = dense.layers[0]["qkv"].weight
+    assert stacked is not None and stacked.dtype == torch.bfloat16 and stacked.shape == (64 + 32 + 32 + 3 * 8, 64)
+    q = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    assert torch.equal(stacked[:64], bnb.functional.dequantize_4bit(q.data, q.quant_state))  # bitsandbytes' weights
+    prompts = [[5, 9, 17, 33], [7, 1], [60, 61, 62, 63, 64, 65, 66]]
+    for decoder in (plain, dense):
+        decoder.prefill([0, 1, 2], prompts)
+    positions, sequences = [len(p) for p in prompts], [list(p) for p in prompts]
+    tokens = plain.logits.argmax(-1).tolist()
+    for _ in range(5):
+        for decoder in (plain, dense):
+            decoder.step(tokens, positions)
+        for sequence, token in zip(sequences, tokens):
+            sequence.append(token)
+        full = torch.stack([model(input_ids=torch.tensor([s], device=DEVICE)).logits[0, -1] for s in sequences])
+        assert rel(dense.logits, plain.logits) <= 2e-2 and rel(dense.logits, full) <= 2 * rel(plain.logits, full) + 5e-3
+        tokens, positions = plain.logits.argmax(-1).tolist(), [p + 1 for p in positions]
