@@ -210,6 +210,11 @@ class StaticDecoder:
         if kernels or (kernels is None and self.device.type == "cuda" and not dense_copy):
             self.fused = self._plan_kernels(slots, required=bool(kernels))
         self.inputs = torch.zeros(2, slots, dtype=torch.long, device=self.device)  # row 0 token ids, row 1 positions
+        # Their host side, pinned on CUDA: each step's copy is queued without waiting; the buffer is written
+        # again only once that copy is done (`copied`; a step that sampled has waited for it already).
+        on_cuda = self.device.type == "cuda"
+        self.host_inputs = torch.zeros(2, slots, dtype=torch.long, pin_memory=on_cuda)
+        self.copied = torch.cuda.Event() if on_cuda else None
         self.slot_index = torch.arange(slots, device=self.device)
         self.key_index = torch.arange(self.max_len, device=self.device)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -334,7 +339,13 @@ class StaticDecoder:
     @torch.no_grad()
     def step(self, tokens: list[int], positions: list[int]) -> None:
         """Feed one token per slot (idle slots: any token at position 0)."""
-        self.inputs.copy_(torch.tensor([tokens, positions], dtype=torch.long))
+        if self.copied is not None:
+            self.copied.synchronize()
+        staged = self.host_inputs.numpy()
+        staged[0], staged[1] = tokens, positions
+        self.inputs.copy_(self.host_inputs, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
         if self.graph is not None:
             self.graph.replay()
         else:
@@ -393,7 +404,10 @@ def run_slots(decoder: StaticDecoder, tool_loop: ToolLoop, episodes: list[Episod
         if sample:
             logits = decoder.logits if len(sample) == decoder.slots else decoder.logits[sample]
             next_tokens, logprobs = select_next(logits[:, :vocab_limit], policy, generator)
-            for s, token, logprob in zip(sample, next_tokens.tolist(), logprobs.tolist()):
+            # One device-to-host read a step, not two: token ids are exact in float64, so are float32 log-probs.
+            picked, picked_logprobs = torch.stack((next_tokens.double(), logprobs.double())).tolist()
+            for s, token, logprob in zip(sample, picked, picked_logprobs):
+                token = int(token)
                 tokens[s] = token
                 tool_loop.feed_sampled(episodes[owner[s]], token, logprob)
         for s in live:
