@@ -20,7 +20,6 @@ from miniverl.engine.core.recipe import Recipe
 from miniverl.stages.contract import Output, StageContext, checkpoint_inputs, checkpoint_outputs, checkpoint_refs
 
 NAME = layout.OPTIMIZER_STEP
-ALIGN_BYTES = 256  # where each tensor `moved` packs starts: CUDA kernels' vector loads want aligned rows
 
 
 def make_optimizer(name: str, params: list[torch.Tensor], recipe: Recipe) -> torch.optim.Optimizer:
@@ -33,31 +32,6 @@ def make_optimizer(name: str, params: list[torch.Tensor], recipe: Recipe) -> tor
     return torch.optim.AdamW(params, foreach=False, **kwargs)
 
 
-def moved(tensors: dict[str, torch.Tensor], device: str | torch.device) -> dict[str, torch.Tensor]:
-    """The same tensors on `device`, their own copies, in one transfer per dtype rather than one per tensor.
-
-    The calc recipe's adapter is 392 tensors and its 8-bit AdamW state some 2,700: one blocking copy each cost
-    more than the update itself on an H200. Values and shapes are unchanged (a concatenation, then views)."""
-    out: dict[str, torch.Tensor] = {}
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for name, t in tensors.items():
-        by_dtype.setdefault(t.dtype, []).append(name)
-    for dtype, names in by_dtype.items():
-        align = max(1, ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
-        pieces, starts, at = [], [], 0
-        for name in names:  # each tensor starts on an ALIGN_BYTES boundary, as an allocation of its own would
-            part = tensors[name].detach().reshape(-1)
-            pad = -part.numel() % align
-            pieces += [part, part.new_zeros(pad)] if pad else [part]
-            starts.append(at)
-            at += part.numel() + pad
-        flat = torch.cat(pieces).to(device)  # a copy even where the device is the same: the parts stay the caller's
-        for name, start in zip(names, starts):
-            shape = tensors[name].shape
-            out[name] = flat[start:start + tensors[name].numel()].view(shape)
-    return {name: out[name] for name in tensors}
-
-
 def flatten_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Optimizer state as safetensors-ready tensors plus plain scalars (no pickle)."""
     tensors: dict[str, torch.Tensor] = {}
@@ -66,10 +40,10 @@ def flatten_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Ten
         for key, value in _flat_items(state):
             name = f"{index}.{key}"
             if torch.is_tensor(value):
-                tensors[name] = value
+                tensors[name] = value.detach().cpu().clone()
             else:
                 scalars[name] = float(value)
-    return moved(tensors, "cpu"), scalars
+    return tensors, scalars
 
 
 def _flat_items(state: dict) -> list[tuple[str, object]]:
@@ -98,17 +72,15 @@ def step(recipe: Recipe, optimizer_name: str, device: str, adapter: dict[str, to
          grads: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]]:
     """Returns the new adapter and the optimizer state as tensors and scalars."""
     names = sorted(adapter)
-    on_device = moved({n: adapter[n].float() for n in names}, device)
-    params = [torch.nn.Parameter(on_device[n]) for n in names]
+    params = [torch.nn.Parameter(adapter[n].to(device=device, dtype=torch.float32).clone()) for n in names]
     optimizer = make_optimizer(optimizer_name, params, recipe)
-    restore_state(optimizer, moved(optimizer_tensors, device), optimizer_scalars)
-    grads_on_device = moved({n: grads[n].float() for n in names}, device)
+    restore_state(optimizer, optimizer_tensors, optimizer_scalars)
     for name, param in zip(names, params):
-        param.grad = grads_on_device[name]
+        param.grad = grads[name].to(device=device, dtype=torch.float32).clone()
     max_norm = recipe.optimizer.grad_clip if recipe.optimizer.grad_clip > 0 else float("inf")
     torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)  # the Gradient record holds the norm
     optimizer.step()
-    new_adapter = moved({n: p.detach().to(adapter[n].dtype) for n, p in zip(names, params)}, "cpu")
+    new_adapter = {n: p.detach().cpu().to(adapter[n].dtype).clone() for n, p in zip(names, params)}
     tensors, scalars = flatten_state(optimizer)
     return new_adapter, tensors, scalars
 
