@@ -21,7 +21,6 @@ reported apart from cycles 1-2.
   256) with the baseline engine and with this one at a 4 GiB budget.
 - `--profile`: each run under cProfile; the JSON keeps the top functions by
   cumulative and own host seconds (where a stage's time goes besides the GPU).
-- `--set KEY=VALUE`: an extra override for this engine's runs (`rollout.engine=graph`).
 - `decode`: `benchmarks/rollout_bench.py` (bf16 and NF4 decode step at batch
   1, 8, 32 with its fraction of the measured copy bandwidth), with `--decode`.
 """
@@ -36,8 +35,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -124,8 +121,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", help="run only these configurations")
     parser.add_argument("--profile", action="store_true",
                         help="run each configuration under cProfile and record where its host time went")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="an extra recipe override for every configuration of this engine (YAML value)")
     args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     log = args.work / "log.txt"
@@ -135,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2, default=str))
 
-    extra = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.set)}
     assets = build_assets(args.work, ("calc",))
     paths = {"models.student.path": assets["dirs"]["qwen3-0.6b"], "models.teacher.path": assets["dirs"]["qwen3-1.7b"]}
     ours = ROOT / "recipes" / "qwen_consumer_gpu_calc.yaml"
@@ -163,8 +157,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and name not in args.only:
             continue
         started = time.perf_counter()
-        if env is None:
-            overrides = {**overrides, **extra}
         result["runs"][name] = one_run(name, recipe_file, overrides, args.work, log, env, budget, args.profile)
         result["runs"][name]["wall_seconds"] = round(time.perf_counter() - started, 1)
         save()

@@ -254,7 +254,6 @@ class RunDir:
         return events
 
     # ------------------------------------------------------------- artifacts
-    # ------------------------------------------------------------- artifacts
     def write_artifact(self, path: str, data: bytes, sha256: str) -> None:
         """Write one output atomically and remember what this process put there (`_unchanged_since_written`)."""
         write_bytes_atomic(self.root / path, data)
