@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from miniverl.engine.rollout.decode_attention import decode_attention
 from miniverl.engine.rollout.decode_projection import PRODUCT_BROADCAST, PRODUCT_TENSOR_CORE, Weight, project
 
-HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, RANK = 1024, 3072, 16, 8, 128, 16
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 1024, 3072, 16, 8, 128
 # group: ([N of each weight], K, fused RMSNorm, residual, SiLU * up)
 GROUPS = {
     "qkv": ([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], HIDDEN, True, False, False),
@@ -73,14 +73,21 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() / (us / 1e6)
 
 
-def configs(batch: int):
-    """(product, block_n, block_k) to try: broadcast sums for up to 8 rows, tensor-core dots from 8. A wider
-    sweep on the H200 (results/decode_kernels_h200_first_sweep.json, an earlier version of the kernel) never
-    chose block_k 256 or block_n 2 for broadcast tiles."""
-    if batch <= 8:
+def configs(batch: int, kind: str, tiles=None):
+    """(product, block_n, block_k) to try: for NF4, broadcast sums for up to 8 rows and tensor-core dots from 8
+    (a wider sweep on the H200, results/decode_kernels_h200_first_sweep.json, an earlier version of the kernel,
+    never chose block_k 256 or block_n 2 for broadcast tiles); for bf16, broadcast sums at one row and
+    tensor-core dots at every batch (x padded to 16 rows: the weights are the bytes read)."""
+    if tiles:
+        yield from tiles
+        return
+    if batch <= 8 and (kind == "nf4" or batch == 1):
         for block_n, block_k in itertools.product((4, 8, 16), (512, 1024)):
             yield PRODUCT_BROADCAST, block_n, block_k
-    if batch >= 8:
+    if kind == "bf16":
+        for block_n, block_k in ((16, 256), (16, 512), (32, 256), (32, 512)):
+            yield PRODUCT_TENSOR_CORE, block_n, block_k
+    elif batch >= 8:
         for block_n, block_k in ((16, 256), (32, 256), (32, 128)):
             yield PRODUCT_TENSOR_CORE, block_n, block_k
 
@@ -97,7 +104,8 @@ def bench_group(name, kind, batch, args, bandwidth, rows, write):
 
     weights, modules, weight_bytes = [], [], 0
     for n in widths:
-        dense, a, b = draw(n, k, s=0.02), draw(RANK, k, s=0.02), draw(n, RANK, s=0.02)
+        dense, a, b = draw(n, k, s=0.02), draw(args.rank, k, s=0.02), draw(n, args.rank, s=0.02)
+        a, b = (a, b) if args.rank else (None, None)
         if kind == "nf4":
             packed, state = bnb_functional.quantize_4bit(dense, blocksize=64, compress_statistics=True,
                                                          quant_type="nf4", quant_storage=torch.uint8)
@@ -119,17 +127,18 @@ def bench_group(name, kind, batch, args, bandwidth, rows, write):
             outs = list(base.split(widths, dim=1))
         else:
             outs = [bnb.matmul_4bit(h, packed.t(), state) for packed, state, _, _ in modules]
-        outs = [torch.addmm(y, h @ a.t(), b.t()) for y, (_, _, a, b) in zip(outs, modules)]
+        outs = [y if a is None else torch.addmm(y, h @ a.t(), b.t()) for y, (_, _, a, b) in zip(outs, modules)]
         if silu:
             return F.silu(outs[0]) * outs[1]
         y = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
         return y + res if residual else y
 
     want = module_step().double()
-    base = {"group": name, "weights": kind, "batch": batch, "k": k, "widths": widths, "weight_bytes": weight_bytes}
+    base = {"group": name, "weights": kind, "batch": batch, "k": k, "widths": widths, "weight_bytes": weight_bytes,
+            "lora_rank": args.rank}
     us = graph_us(module_step, args.calls, args.replays)
     rows.append({**base, "impl": "module step", "us": us, "bw_fraction": weight_bytes / (us / 1e6) / bandwidth})
-    for product, block_n, block_k in configs(batch):
+    for product, block_n, block_k in configs(batch, kind, args.tiles):
         for warps in args.warps:
             def call():
                 return project(x, weights, norm_weight=gamma if norm else None, residual=res, silu_mul=silu,
@@ -164,7 +173,7 @@ def bench_attention(batch, context, args, bandwidth, rows):
     base = {"kernel": "attention", "batch": batch, "context": context, "cache_bytes": cache_bytes}
     us = graph_us(sdpa, args.calls, args.replays)
     rows.append({**base, "impl": "sdpa (module step)", "us": us, "bw_fraction": cache_bytes / (us / 1e6) / bandwidth})
-    for split_len, block_l in ((32, 16), (32, 32), (64, 32), (128, 32)):
+    for split_len, block_l in ((32, 16), (32, 32), (64, 16), (64, 32), (128, 32)):
 
         def call():
             return decode_attention(q, k, v, positions, split_len=split_len, block_l=block_l)
@@ -203,7 +212,15 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--replays", type=int, default=10)
     parser.add_argument("--only", nargs="+", default=list(GROUPS) + ["attention"])
+    parser.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
+    parser.add_argument("--rank", type=int, default=16, help="LoRA rank on every weight (0: none)")
+    parser.add_argument("--tiles", type=lambda t: tuple(int(v) for v in t.split("/")), nargs="+",
+                        help="only these product/block_n/block_k tiles (e.g. 2/8/1024 1/16/256)")
     args = parser.parse_args()
+    if args.no_pdl:
+        from miniverl.engine.rollout import decode_projection
+
+        decode_projection.PDL = False
     bandwidth = copy_bandwidth()
     rows: list[dict] = []
     result = {
@@ -212,6 +229,7 @@ def main() -> None:
                     "torch": torch.__version__, "cuda": torch.version.cuda,
                     "triton": __import__("triton").__version__, "bitsandbytes": __import__("bitsandbytes").__version__},
         "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "programmatic_dependent_launch": not args.no_pdl,
     }
 
     def write():

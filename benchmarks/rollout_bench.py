@@ -185,14 +185,29 @@ def bench_batch(model, label, batch, args, bandwidth):
     row.update(graph_figures(decoder, batch, bytes_step, bandwidth))
     del decoder
     if args.kernels:  # the Triton decode step (engine/rollout/fused_step.py), same prompts
-        fused = StaticDecoder(model, batch, args.prompt_tokens + args.new_tokens, use_graph=True, kernels=True)
-        engine_generate(fused, prompts, 4)
-        fused_out, t_fused = timed(lambda: engine_generate(fused, prompts, args.new_tokens))
-        row.update(kernels_mode=fused.mode, kernels_step_ms=1e3 * t_fused / args.new_tokens,
-                   kernels_greedy_common_prefix_mean=statistics.mean(
-                       common_prefix(a, b) for a, b in zip(engine_out, fused_out)))
-        row.update(graph_figures(fused, batch, bytes_step, bandwidth, prefix="kernels_"))
-        del fused
+        from miniverl.engine.rollout import decode_projection
+
+        variants = [("kernels_", {}, None)]
+        if args.no_pdl_too:
+            variants.append(("kernels_no_pdl_", {}, False))
+        if label == "nf4" and args.dense_copy:  # the kernels over the decoder's dequantized copy
+            variants.append(("kernels_dense_copy_", {"dense_copy": True}, None))
+        for prefix, options, pdl in variants:
+            decode_projection.PDL = pdl
+            try:
+                fused = StaticDecoder(model, batch, args.prompt_tokens + args.new_tokens, use_graph=True, kernels=True,
+                                      **options)
+                engine_generate(fused, prompts, 4)
+                fused_out, t_fused = timed(lambda: engine_generate(fused, prompts, args.new_tokens))
+                row.update({f"{prefix}mode": fused.mode, f"{prefix}step_ms": 1e3 * t_fused / args.new_tokens,
+                            f"{prefix}greedy_common_prefix_mean": statistics.mean(
+                                common_prefix(a, b) for a, b in zip(engine_out, fused_out))})
+                row.update(graph_figures(fused, batch, bytes_step, bandwidth, prefix=prefix))
+                del fused
+            except Exception as exc:  # noqa: BLE001 - keep the other variants
+                row[f"{prefix}error"] = f"{type(exc).__name__}: {exc}"
+            finally:
+                decode_projection.PDL = None
     torch.cuda.empty_cache()
     return row
 
@@ -256,6 +271,11 @@ def main() -> None:
     parser.add_argument("--rollout-tasks", type=int, default=64)
     parser.add_argument("--kernels", action="store_true",
                         help="also time the decode step through the Triton kernels (StaticDecoder(kernels=True))")
+    parser.add_argument("--no-pdl-too", action="store_true",
+                        help="with --kernels: also without programmatic dependent launch")
+    parser.add_argument("--dense-copy", action="store_true",
+                        help="with --kernels: also the NF4 model through the kernels over its dense copy")
+    parser.add_argument("--lora-rank", type=int, default=8)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("rollout_bench needs a CUDA device")
@@ -275,7 +295,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         save_qwen3_0_6b(Path(tmp), seed=0)
         for label in args.weights:
-            model = attach_lora(load_causal_lm(Path(tmp), torch.bfloat16, "cuda", nf4=label == "nf4"), LoraSpec(), seed=0)
+            model = attach_lora(load_causal_lm(Path(tmp), torch.bfloat16, "cuda", nf4=label == "nf4"), LoraSpec(r=args.lora_rank, alpha=2.0 * args.lora_rank),
+                               seed=0)
             plain_generate(model, [[1] * 8], 4)  # warm up generate
             for batch in args.batches:
                 try:

@@ -129,7 +129,7 @@ class _Proj:
     """
 
     def __init__(self, modules: list[torch.nn.Module], dtype: torch.dtype, fuse_base: bool, dequantize: bool = False):
-        self.modules, self.weight, self.a_t, self.b_ts = modules, None, None, []
+        self.modules, self.weight, self.a_t, self.b_ts, self.dense_rows = modules, None, None, [], {}
         try:
             parts = [_lora_parts(m, dtype) for m in modules]
         except _Unsupported:
@@ -144,6 +144,9 @@ class _Proj:
             dense = [_dense_weight(b, dtype, dequantize) for b in self.bases]
             if all(w is not None for w in dense):
                 self.weight = torch.cat(dense + ([a_cat] if adapters else []))
+                starts = [sum(self.widths[:i]) for i in range(len(modules))]
+                # Each module's base rows of the stacked copy (views): what the kernel step reads of it.
+                self.dense_rows = {id(m): self.weight[r:r + w] for m, r, w in zip(modules, starts, self.widths)}
             del dense  # the dequantized matrices: only their stacked copy stays
         if not adapters:
             return
@@ -207,7 +210,7 @@ class StaticDecoder:
         self.rot_sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)
         # kernels: the one-token step through the Triton kernels (fused_step); None: where it is faster.
         self.fused, self.kernels_auto = None, kernels is None
-        if kernels or (kernels is None and self.device.type == "cuda" and not dense_copy):
+        if kernels or (kernels is None and self.device.type == "cuda"):
             self.fused = self._plan_kernels(slots, required=bool(kernels))
         self.inputs = torch.zeros(2, slots, dtype=torch.long, device=self.device)  # row 0 token ids, row 1 positions
         # Their host side, pinned on CUDA: each step's copy is queued without waiting; the buffer is written
@@ -228,8 +231,12 @@ class StaticDecoder:
         try:
             from miniverl.engine.rollout.fused_step import auto_choice, plan_layers, rotary_tables
 
-            reason = None if required else auto_choice(self.body, slots)
-            fused = None if reason is not None else plan_layers(self.body, self.dtype, _lora_parts)
+            reason = None if required else auto_choice(self.body, slots, self.dense_copy)
+            # With the dense copy the kernels read its rows (views, no further copy), not the NF4 bases.
+            rows = {key: view for p in self.layers for name in ("qkv", "o", "gate_up", "down")
+                    for key, view in p[name].dense_rows.items()} if self.dense_copy else {}
+            fused = None if reason is not None else plan_layers(self.body, self.dtype, _lora_parts,
+                                                                 lambda module: rows.get(id(module)))
         except (ImportError, ValueError) as exc:  # no Triton, or a model the kernels do not cover
             if required:
                 raise

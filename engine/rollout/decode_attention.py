@@ -27,19 +27,25 @@ import torch
 import triton
 import triton.language as tl
 
-from miniverl.engine.rollout.decode_projection import dtype_code, round_to_dtype
+from miniverl.engine.rollout.decode_projection import (dtype_code, gdc_launch_dependents, gdc_wait,
+                                                       launch_options, round_to_dtype)
 
 
 @triton.jit
 def _split_attention(q_ptr, k_ptr, v_ptr, positions_ptr, max_ptr, sum_ptr, acc_ptr, scale,
                      stride_qs, stride_qh, stride_ks, stride_kh, stride_kl, n_splits, split_len,
-                     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr):
+                     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr,
+                     DOT: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
     slot = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     heads = kv_head * GROUP + tl.arange(0, BLOCK_G)
     head_ok = tl.arange(0, BLOCK_G) < GROUP
     dims = tl.arange(0, HEAD_DIM)
+    if PDL:  # q and the newest key come from the kernel before
+        gdc_wait()
     q = tl.load(q_ptr + slot * stride_qs + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None],
                 other=0.0).to(tl.float32)
     last = tl.load(positions_ptr + slot)  # keys 0..last are this slot's
@@ -55,13 +61,19 @@ def _split_attention(q_ptr, k_ptr, v_ptr, positions_ptr, max_ptr, sum_ptr, acc_p
         offsets = base + keys[:, None] * stride_kl + dims[None, :]
         k = tl.load(k_ptr + offsets, mask=key_ok[:, None], other=0.0).to(tl.float32)
         v = tl.load(v_ptr + offsets, mask=key_ok[:, None], other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_L]
+        if DOT:  # 16 or more query heads share the kv head: a dot's rows are all used
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_L]
+        else:  # a few: broadcast products, no rows padded to a dot's 16
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
         scores = tl.where(key_ok[None, :], scores, -float("inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         rescale = tl.exp(running_max - new_max)
         weights = tl.exp(scores - new_max[:, None])
         running_sum = running_sum * rescale + tl.sum(weights, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(weights, v, input_precision="ieee")
+        if DOT:
+            acc = acc * rescale[:, None] + tl.dot(weights, v, input_precision="ieee")
+        else:
+            acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
         running_max = new_max
     out = (slot * tl.num_programs(1) * GROUP + heads) * n_splits + split  # [slot, head, split]
     tl.store(max_ptr + out, running_max, mask=head_ok)
@@ -71,7 +83,10 @@ def _split_attention(q_ptr, k_ptr, v_ptr, positions_ptr, max_ptr, sum_ptr, acc_p
 
 @triton.jit
 def _combine(max_ptr, sum_ptr, acc_ptr, out_ptr, n_splits, stride_os, stride_oh, n_heads,
-             HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+             HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     slot = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -91,7 +106,11 @@ def _combine(max_ptr, sum_ptr, acc_ptr, out_ptr, n_splits, stride_os, stride_oh,
 @triton.jit
 def _qk_norm_rope_append(qkv_ptr, stride_qkv, q_weight_ptr, k_weight_ptr, eps, cos_ptr, sin_ptr, positions_ptr,
                          q_ptr, stride_qs, k_cache_ptr, v_cache_ptr, stride_ks, stride_kh, stride_kl,
-                         N_Q: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
+                         N_Q: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr,
+                         PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     slot = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # q heads, then k heads, then v heads, as the qkv projection lays them out
     dims = tl.arange(0, HEAD_DIM)
@@ -145,14 +164,19 @@ def qk_norm_rope_append(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: tor
     _qk_norm_rope_append[(slots, heads + 2 * kv_heads)](
         qkv, qkv.stride(0), q_weight, k_weight, eps, cos, sin, positions, q, q.stride(0), k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        N_Q=heads, N_KV=kv_heads, HEAD_DIM=head_dim, DTYPE=dtype_code(qkv.dtype))
+        N_Q=heads, N_KV=kv_heads, HEAD_DIM=head_dim, DTYPE=dtype_code(qkv.dtype), **launch_options(qkv.device))
     return q
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                     split_len: int = 64, block_l: int = 32) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v per slot over keys 0..positions[slot]: q [S, H, D], caches [S, Hkv, L, D] -> [S, H, D]."""
+                     split_len: int = 32, block_l: int | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v per slot over keys 0..positions[slot]: q [S, H, D], caches [S, Hkv, L, D] -> [S, H, D].
+
+    Splits of 32 keys, read 32 at a time up to 4 slots and 16 beyond: the fastest on an H200 at Qwen3-0.6B's
+    heads over 704 keys (8.0 us at one slot, 23.5 at eight; benchmarks/results/decode_kernels_h200.md).
+    """
     slots, heads, head_dim = q.shape
+    block_l = (32 if slots <= 4 else 16) if block_l is None else block_l
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[0] != slots or k_cache.shape[3] != head_dim:
         raise ValueError(f"caches must be [{slots}, kv_heads, max_len, {head_dim}] alike; got {tuple(k_cache.shape)} "
                          f"and {tuple(v_cache.shape)}")
@@ -163,6 +187,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if k_cache.stride() != v_cache.stride() or positions.shape != (slots,):
         raise ValueError("k and v caches must share strides, and positions must hold one entry per slot")
     group = heads // kv_heads
+    block_g = triton.next_power_of_2(group)
+    dot = block_g >= 16  # fewer heads per kv head: broadcast products (a dot would pad them to 16 rows)
+    options = launch_options(q.device)
     n_splits = triton.cdiv(max_len, split_len)
     partial = torch.empty((slots, heads, n_splits), dtype=torch.float32, device=q.device)
     sums = torch.empty_like(partial)
@@ -170,8 +197,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _split_attention[(slots, kv_heads, n_splits)](
         q, k_cache, v_cache, positions, partial, sums, acc, 1.0 / math.sqrt(head_dim),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), n_splits, split_len,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_L=block_l)
+        GROUP=group, BLOCK_G=max(16, block_g) if dot else block_g, HEAD_DIM=head_dim, BLOCK_L=block_l, DOT=dot,
+        **options)
     out = torch.empty_like(q)
     _combine[(slots, heads)](partial, sums, acc, out, n_splits, out.stride(0), out.stride(1), heads,
-                             HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(n_splits))
+                             HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(n_splits), **options)
     return out

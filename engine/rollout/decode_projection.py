@@ -44,9 +44,15 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # programmatic dependent launch (Hopper and later; Triton >= 3.5): see `launch_options`
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - an older Triton: the kernels launch without it
+    gdc_launch_dependents = gdc_wait = None
+
 QUANT_BLOCK = 64  # elements per absmax: the only NF4 block size read here
 NESTED_BLOCK = 256  # absmaxes per second-level scale (bitsandbytes' double quantization)
 PRODUCT_DOT32, PRODUCT_TENSOR_CORE, PRODUCT_BROADCAST = 0, 1, 2
+DENSE_TENSOR_CORE_TILE = (16, 512)  # (block_n, block_k) of tensor-core tiles over dense weights
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -55,6 +61,24 @@ def dtype_code(dtype: torch.dtype) -> int:
     if dtype not in codes:
         raise ValueError(f"the decode kernels compute in bf16, fp16 or fp32; got {dtype}")
     return codes[dtype]
+
+
+PDL: bool | None = None  # None: where the device and Triton support it; the benchmarks set False to compare
+
+
+def launch_options(device: torch.device) -> dict:
+    """Triton launch options for the decode kernels on `device`: programmatic dependent launch where supported.
+
+    With PDL a kernel may start while the one before it finishes: each decode kernel first lets its successor
+    launch (`gdc_launch_dependents`), loads what no earlier kernel writes (its weights), and waits for its
+    predecessor (`gdc_wait`) before reading activations or writing anything. Every kernel waits, so each
+    one's wait also covers the kernels before its predecessor. Inside a captured CUDA graph the launches become
+    programmatic edges, so the step's launch gaps overlap with the weight reads.
+    """
+    if device.type != "cuda" or gdc_wait is None:
+        return {"PDL": False}
+    enabled = torch.cuda.get_device_capability(device)[0] >= 9 if PDL is None else PDL
+    return {"PDL": True, "launch_pdl": True} if enabled else {"PDL": False}
 
 
 @triton.jit
@@ -104,13 +128,16 @@ def _inverse_rms(x_base, batch_ok, K, eps, BLOCK_B: tl.constexpr, BLOCK_K: tl.co
 @triton.jit
 def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
           a_ptr, b_ptr, r, rows, N, K,
-          DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr, DTYPE: tl.constexpr,
-          BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-          PRODUCT: tl.constexpr):
+          eps, DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
+          DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr):
     """norm(x) @ W[rows].T + (norm(x) @ A.T) @ B[rows].T for BLOCK_B rows of x, float32 [BLOCK_B, BLOCK_N].
 
     An NF4 tile is read as [BLOCK_N, BLOCK_K / 64, 32] bytes: one absmax per 64-element block (K is a multiple
     of 64, so blocks never straddle rows), each byte's high and low nibbles interleaved back into columns.
+    Each step loads its weight tile before x, so under PDL (broadcast products) the first one is read before the
+    wait; dot loops wait before the loop (`_project`), since Triton pipelines their loads ahead. When one
+    tile spans K (K <= BLOCK_K), the norm's statistics come from that x tile; otherwise `inv_rms` is given.
     """
     ks = tl.arange(0, BLOCK_K)
     groups = tl.arange(0, BLOCK_K // 64)  # 64: QUANT_BLOCK (a plain global cannot enter a Triton function)
@@ -125,7 +152,9 @@ def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, c
         col_ok = cols < K
         if DENSE:
             w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                        other=0.0).to(tl.float32)
+                        other=0.0)
+            if PRODUCT != 1:  # a tensor-core dot takes the half-precision tile as it is
+                w = w.to(tl.float32)
         else:
             block = k0 // 64 + groups
             scale_index = rows[:, None].to(tl.int64) * blocks_per_row + block[None, :]  # [BLOCK_N, GROUPS]
@@ -142,14 +171,22 @@ def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, c
             high = round_to_dtype(tl.load(code_ptr + (packed >> 4)) * scale[:, :, None], DTYPE)
             low = round_to_dtype(tl.load(code_ptr + (packed & 15)) * scale[:, :, None], DTYPE)
             w = tl.reshape(tl.interleave(high, low), (BLOCK_N, BLOCK_K))
-        x = tl.load(x_base + cols[None, :], mask=batch_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        if NORM:  # as Qwen3RMSNorm rounds: normalized x to x's dtype, then times the weight, rounded again
-            gamma = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            x = round_to_dtype(round_to_dtype(x * inv_rms[:, None], DTYPE) * gamma, DTYPE)
-        acc += _product(x, w, PRODUCT, DTYPE)
         if LORA:  # A is [r, K]
             a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=(ranks[:, None] < r) & col_ok[None, :],
-                        other=0.0).to(tl.float32)
+                        other=0.0)
+            if PRODUCT != 1:
+                a = a.to(tl.float32)
+        if NORM:
+            gamma = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if PDL and PRODUCT == 2:  # what earlier kernels wrote is read from here on (a no-op after the first step)
+            gdc_wait()
+        x = tl.load(x_base + cols[None, :], mask=batch_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        if NORM:  # as Qwen3RMSNorm rounds: normalized x to x's dtype, then times the weight, rounded again
+            if K <= BLOCK_K:  # this tile is the whole row (masked columns are 0)
+                inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / K + eps)
+            x = round_to_dtype(round_to_dtype(x * inv_rms[:, None], DTYPE) * gamma, DTYPE)
+        acc += _product(x, w, PRODUCT, DTYPE)
+        if LORA:
             xa += _product(x, a, PRODUCT, DTYPE)
     if LORA:  # B is [N, r], scaled by alpha / r
         b_tile = tl.load(b_ptr + rows[:, None] * r + ranks[None, :], mask=row_ok[:, None] & (ranks[None, :] < r),
@@ -178,23 +215,30 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
              PARTS: tl.constexpr, SILU_MUL: tl.constexpr, DENSE: tl.constexpr, NESTED: tl.constexpr,
              NORM: tl.constexpr, LORA: tl.constexpr, RESIDUAL: tl.constexpr, DTYPE: tl.constexpr,
              BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-             PRODUCT: tl.constexpr):
+             PRODUCT: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+        if PRODUCT != 2:  # dot loops are software-pipelined: their first loads of x would move above a wait inside
+            gdc_wait()
     block = tl.program_id(0)
     batch = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     batch_ok = batch < B
     x_base = x_ptr + batch[:, None].to(tl.int64) * stride_xb
     inv_rms = tl.zeros((BLOCK_B,), dtype=tl.float32)
     if NORM:
-        inv_rms = _inverse_rms(x_base, batch_ok, K, eps, BLOCK_B, BLOCK_K)
+        if K > BLOCK_K:  # statistics over the whole row first (one tile: `_tile` takes them from it)
+            if PDL:
+                gdc_wait()
+            inv_rms = _inverse_rms(x_base, batch_ok, K, eps, BLOCK_B, BLOCK_K)
     local = tl.arange(0, BLOCK_N)
     if SILU_MUL:  # gate (part 0) and up (part 1), the same rows: SiLU(gate) * up, each rounded as the modules round
         rows = block * BLOCK_N + local
         gate = round_to_dtype(_tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr,
-                            offset0, a0, b0, r, rows, n0, K, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N,
-                            BLOCK_K, BLOCK_R, PRODUCT), DTYPE)
+                            offset0, a0, b0, r, rows, n0, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N,
+                            BLOCK_K, BLOCK_R, PRODUCT, PDL), DTYPE)
         up = round_to_dtype(_tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr, code2_ptr, offset1,
-                          a1, b1, r, rows, n1, K, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K,
-                          BLOCK_R, PRODUCT), DTYPE)
+                          a1, b1, r, rows, n1, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K,
+                          BLOCK_R, PRODUCT, PDL), DTYPE)
         acc = round_to_dtype(gate / (1.0 + tl.exp(-gate)), DTYPE) * up
         _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, rows < n0, residual_ptr, stride_rb, RESIDUAL)
     else:  # the parts side by side: this program's rows lie in one of them
@@ -203,24 +247,24 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
         if block < blocks0:
             rows = block * BLOCK_N + local
             acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr, offset0,
-                        a0, b0, r, rows, n0, K, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R,
-                        PRODUCT)
+                        a0, b0, r, rows, n0, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R,
+                        PRODUCT, PDL)
             _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, rows < n0, residual_ptr, stride_rb, RESIDUAL)
         else:
             if PARTS > 1:
                 if block < blocks0 + blocks1:
                     rows = (block - blocks0) * BLOCK_N + local
                     acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr, code2_ptr,
-                                offset1, a1, b1, r, rows, n1, K, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N,
-                                BLOCK_K, BLOCK_R, PRODUCT)
+                                offset1, a1, b1, r, rows, n1, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N,
+                                BLOCK_K, BLOCK_R, PRODUCT, PDL)
                     _store(acc, y_ptr, stride_yb, batch, batch_ok, n0 + rows, rows < n1, residual_ptr, stride_rb,
                            RESIDUAL)
                 else:
                     if PARTS > 2:
                         rows = (block - blocks0 - blocks1) * BLOCK_N + local
                         acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w2, absmax2, absmax2_2, code_ptr, code2_ptr,
-                                    offset2, a2, b2, r, rows, n2, K, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B,
-                                    BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT)
+                                    offset2, a2, b2, r, rows, n2, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B,
+                                    BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL)
                         _store(acc, y_ptr, stride_yb, batch, batch_ok, n0 + n1 + rows, rows < n2, residual_ptr,
                                stride_rb, RESIDUAL)
 
@@ -278,12 +322,15 @@ class Weight:
                    offset=float(state.offset) if nested else 0.0, nested=nested, lora_a=lora_a, lora_b=lora_b)
 
 
-def tile_config(batch: int, on_gpu: bool) -> tuple[int, int, int]:
-    """(product, block_n, block_k) for a launch over `batch` rows of x, from the H200 sweep
-    (benchmarks/decode_kernels_bench.py): up to 8 rows, broadcast sums over 8-row weight tiles 1024 wide (many
-    programs, no 16-row dot minimum); more rows, tensor-core dots."""
+def tile_config(batch: int, on_gpu: bool, dense: bool = False) -> tuple[int, int, int]:
+    """(product, block_n, block_k) for a launch over `batch` rows of x, from the H200 sweeps
+    (benchmarks/decode_kernels_bench.py): NF4 up to 8 rows, broadcast sums over 8-row weight tiles 1024 wide
+    (many programs, no 16-row dot minimum); dense weights from 2 rows, and any weights past 8, tensor-core dots
+    (the 16-row minimum costs nothing when the weights, not x, are the bytes read)."""
     if not on_gpu:  # Triton's interpreter runs programs one by one in Python: the fewest, largest tiles
         return PRODUCT_DOT32, 64, 1024
+    if dense and batch > 1:
+        return PRODUCT_TENSOR_CORE, DENSE_TENSOR_CORE_TILE[0], DENSE_TENSOR_CORE_TILE[1]
     if batch <= 8:
         return PRODUCT_BROADCAST, 8, 1024
     return PRODUCT_TENSOR_CORE, 32, 256
@@ -291,7 +338,8 @@ def tile_config(batch: int, on_gpu: bool) -> tuple[int, int, int]:
 
 def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
             residual: torch.Tensor | None = None, silu_mul: bool = False, block_n: int | None = None,
-            block_k: int | None = None, product: int | None = None, num_warps: int = 4) -> torch.Tensor:
+            block_k: int | None = None, product: int | None = None, num_warps: int = 4,
+            num_stages: int | None = None) -> torch.Tensor:
     """norm(x) through 1-3 weights of one kind: side by side -> [B, sum N] (+ residual), or with `silu_mul`
     (two weights, gate then up) SiLU(gate) * up -> [B, N].
 
@@ -300,7 +348,7 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     `tile_config`'s choice for the batch.
     """
     k = weights[0].k
-    default = tile_config(x.shape[0], x.is_cuda)
+    default = tile_config(x.shape[0], x.is_cuda, weights[0].dense)
     product = default[0] if product is None else product
     block_n = default[1] if block_n is None else block_n
     block_k = default[2] if block_k is None else block_k
@@ -334,6 +382,7 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     y = torch.empty((batch, width), dtype=x.dtype, device=x.device)
     if x.dtype == torch.float32 and product == PRODUCT_TENSOR_CORE:
         product = PRODUCT_DOT32  # a half-precision dot would round float32 operands
+        block_k = min(block_k, 128)  # float32 tiles of the half-precision size overflow shared memory
     block_b = triton.next_power_of_2(batch) if product == PRODUCT_BROADCAST else 16  # tl.dot's smallest M is 16
     block_b = min(block_b, 16)
     rank = 0 if first.lora_a is None else first.lora_a.shape[0]
@@ -354,5 +403,6 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
         PARTS=len(weights), SILU_MUL=silu_mul, DENSE=first.dense, NESTED=first.nested, NORM=norm_weight is not None,
         LORA=rank > 0, RESIDUAL=residual is not None, DTYPE=dtype_code(x.dtype),
         BLOCK_B=block_b, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, triton.next_power_of_2(max(rank, 1))),
-        PRODUCT=product, num_warps=num_warps)
+        PRODUCT=product, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+        **launch_options(x.device))
     return y

@@ -34,24 +34,38 @@ from miniverl.engine.rollout.decode_projection import Weight, project
 AUTO_MAX_SLOTS = {"nf4": 4, "dense": 1}  # the most slots at which `rollout.engine: auto` takes the kernel step
 
 
-def auto_choice(body: torch.nn.Module, slots: int) -> str | None:
+def auto_choice(body: torch.nn.Module, slots: int, dense_copy: bool = False) -> str | None:
     """Why `auto` keeps the module step for this model and slot count, or None when the kernel step is faster.
-    Read off the first projection alone, before `plan_layers` visits every weight."""
+    Read off the first projection alone, before `plan_layers` visits every weight; with `dense_copy` the
+    kernels read the decoder's dense copy of the weights, whatever the model holds."""
     o_proj = body.layers[0].self_attn.o_proj
-    kind = "dense" if getattr(getattr(o_proj, "base_layer", o_proj).weight, "quant_state", None) is None else "nf4"
+    quantized = getattr(getattr(o_proj, "base_layer", o_proj).weight, "quant_state", None) is not None
+    kind = "nf4" if quantized and not dense_copy else "dense"
     if slots > AUTO_MAX_SLOTS[kind]:
         return f"{slots} slots of {kind} weights (the kernel step is faster up to {AUTO_MAX_SLOTS[kind]})"
     return None
 
 
-def plan_layers(body: torch.nn.Module, dtype: torch.dtype, lora_parts) -> list[dict]:
-    """Each layer's weights as the kernels read them; ValueError for a model they do not cover."""
+def plan_layers(body: torch.nn.Module, dtype: torch.dtype, lora_parts, dense_of=None) -> list[dict]:
+    """Each layer's weights as the kernels read them; ValueError for a model they do not cover.
+
+    `dense_of(module)`: the dense [out, in] matrix to read for a projection instead of its base layer's weight
+    (the decoder's dense copy of NF4 weights), or None to read the base layer's own.
+    """
+    def weight_of(module: torch.nn.Module) -> Weight:
+        base, a, b = lora_parts(module, dtype)
+        dense = None if dense_of is None else dense_of(module)
+        if dense is None:
+            return Weight.of(base, a, b)
+        return Weight(dense.shape[0], dense.shape[1], dense, lora_a=None if a is None else a.contiguous(),
+                      lora_b=None if b is None else b.contiguous())
+
     layers = []
     for layer in body.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
             raise ValueError("q_norm and k_norm differ in eps")
-        weights = {name: Weight.of(*lora_parts(module, dtype)) for name, module in (
+        weights = {name: weight_of(module) for name, module in (
             ("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
             ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj))}
         kinds = {(w.dense, w.nested, w.lora_a is None, None if w.lora_a is None else w.lora_a.shape[0])

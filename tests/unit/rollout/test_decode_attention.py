@@ -31,7 +31,7 @@ def reference(q, k_cache, v_cache, positions) -> torch.Tensor:
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (6, 6, 32), (8, 1, 16)], ids=["gqa2", "mha", "mqa8"])
 def test_matches_float64_at_different_positions_per_slot(heads: int, kv_heads: int, dim: int):
     gen = torch.Generator().manual_seed(heads * dim)
-    slots, max_len = 3, 300  # 3 splits of 128, the last one partial
+    slots, max_len = 3, 300  # splits of 32 keys (the default), the last one partial
     q = torch.randn(slots, heads, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
     k = (2 * torch.randn(slots, kv_heads, max_len, dim, generator=gen)).to(torch.bfloat16).to(DEVICE)
     v = torch.randn(slots, kv_heads, max_len, dim, generator=gen).to(torch.bfloat16).to(DEVICE)

@@ -150,13 +150,13 @@ def test_auto_takes_the_kernel_step_only_where_it_was_measured_faster(nf4: bool)
 
 @torch.no_grad()
 def test_the_dense_copy_decodes_an_nf4_model_as_its_module_step_does():
-    """rollout.dense_copy: the NF4 bases dequantized into one stacked copy per group (and the kernel step off):
+    """rollout.dense_copy: the NF4 bases dequantized into one stacked copy per group (the module step here):
     every step's logits those of the module step on the packed weights and of a full forward, to bf16 rounding."""
     from miniverl.engine.rollout.cuda_graph import StaticDecoder
 
     model = with_lora(tiny_model(nf4=True))
     plain = StaticDecoder(model, slots=3, max_len=64, use_graph=False)
-    dense = StaticDecoder(model, slots=3, max_len=64, use_graph=False, kernels=None, dense_copy=True)
+    dense = StaticDecoder(model, slots=3, max_len=64, use_graph=False, kernels=False, dense_copy=True)
     assert dense.fused is None and plain.layers[0]["qkv"].weight is None  # packed: one matmul per base
     stacked = dense.layers[0]["qkv"].weight
     assert stacked is not None and stacked.dtype == torch.bfloat16 and stacked.shape == (64 + 32 + 32 + 3 * 8, 64)
@@ -168,6 +168,38 @@ def test_the_dense_copy_decodes_an_nf4_model_as_its_module_step_does():
     positions, sequences = [len(p) for p in prompts], [list(p) for p in prompts]
     tokens = plain.logits.argmax(-1).tolist()
     for _ in range(5):
+        for decoder in (plain, dense):
+            decoder.step(tokens, positions)
+        for sequence, token in zip(sequences, tokens):
+            sequence.append(token)
+        full = torch.stack([model(input_ids=torch.tensor([s], device=DEVICE)).logits[0, -1] for s in sequences])
+        assert rel(dense.logits, plain.logits) <= 2e-2 and rel(dense.logits, full) <= 2 * rel(plain.logits, full) + 5e-3
+        tokens, positions = plain.logits.argmax(-1).tolist(), [p + 1 for p in positions]
+
+
+@torch.no_grad()
+def test_the_kernel_step_reads_the_dense_copy_in_place():
+    """rollout.dense_copy with the kernel step: the kernels read the stacked copy's rows (views, no further copy),
+    and every step's logits are the module step's on the packed weights, and a full forward's, to bf16 rounding."""
+    from miniverl.engine.rollout.cuda_graph import StaticDecoder
+
+    model = with_lora(tiny_model(nf4=True))
+    plain = StaticDecoder(model, slots=3, max_len=64, use_graph=False)
+    dense = StaticDecoder(model, slots=3, max_len=64, use_graph=False, kernels=True, dense_copy=True)
+    assert dense.fused is not None
+    stacked = dense.layers[0]["qkv"].weight
+    q, k, v = dense.fused[0]["qkv"]
+    assert q.dense and k.dense and v.dense and q.lora_a is not None
+    start, row = stacked.data_ptr(), stacked.stride(0) * stacked.element_size()
+    assert [w.data.data_ptr() for w in (q, k, v)] == [start, start + 64 * row, start + 96 * row]  # rows of the copy
+    down = dense.fused[1]["down"][0]
+    assert down.data.data_ptr() == dense.layers[1]["down"].weight.data_ptr()
+    prompts = [[5, 9, 17, 33], [7, 1], [60, 61, 62, 63, 64, 65, 66]]
+    for decoder in (plain, dense):
+        decoder.prefill([0, 1, 2], prompts)
+    positions, sequences = [len(p) for p in prompts], [list(p) for p in prompts]
+    tokens = plain.logits.argmax(-1).tolist()
+    for _ in range(4):
         for decoder in (plain, dense):
             decoder.step(tokens, positions)
         for sequence, token in zip(sequences, tokens):
