@@ -190,13 +190,14 @@ def bench_batch(model, label, batch, args, bandwidth):
         variants = [("kernels_", {}, None)]
         if args.no_pdl_too:
             variants.append(("kernels_no_pdl_", {}, False))
-        if label == "nf4" and args.dense_copy:  # the kernels over the decoder's dequantized copy
+        if label == "nf4" and args.dense_copy:  # the decoder's dequantized copy (LoRA merged): kernels, modules
             variants.append(("kernels_dense_copy_", {"dense_copy": True}, None))
+            variants.append(("module_dense_copy_", {"dense_copy": True, "kernels": False}, None))
         for prefix, options, pdl in variants:
             decode_projection.PDL = pdl
             try:
-                fused = StaticDecoder(model, batch, args.prompt_tokens + args.new_tokens, use_graph=True, kernels=True,
-                                      **options)
+                fused = StaticDecoder(model, batch, args.prompt_tokens + args.new_tokens, use_graph=True,
+                                      **{"kernels": True, **options})
                 engine_generate(fused, prompts, 4)
                 fused_out, t_fused = timed(lambda: engine_generate(fused, prompts, args.new_tokens))
                 row.update({f"{prefix}mode": fused.mode, f"{prefix}step_ms": 1e3 * t_fused / args.new_tokens,

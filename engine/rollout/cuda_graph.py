@@ -114,6 +114,14 @@ def _dense_weight(base: torch.nn.Module, dtype: torch.dtype, dequantize: bool) -
     return None
 
 
+def _merged(weight: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+    """weight + scaling * B @ A of the module's one active adapter, summed in float32, rounded once to the
+    weight's dtype (as peft's merge computes it): the adapter's function at the compute dtype's rounding."""
+    name = next(a for a in module.active_adapters if a in module.lora_A)
+    a, b = module.lora_A[name].weight.float(), module.lora_B[name].weight.float()
+    return (weight.float() + (b * module.scaling[name]) @ a).to(weight.dtype)
+
+
 class _Proj:
     """Projections of one input (q/k/v, gate/up, or one linear), each base layer plus its LoRA adapter.
 
@@ -122,7 +130,10 @@ class _Proj:
     linears instead of peft's 7 per linear. When the bases are unquantized (or
     NF4 with `dequantize`: rollout.dense_copy) and the copy fits (`fuse_base`),
     base weights and A are stacked into one weight, and the group is 2 kernels:
-    one matmul, then `addmm` with a block-diagonal B.
+    one matmul, then `addmm` with a block-diagonal B. The dense copy of NF4
+    bases goes further: each adapter is merged into its copy (W + scaling B A,
+    rounded once), so the group is one matmul and the kernel step reads no
+    adapter (`merged`); the rollout's adapter is fixed for the stage.
     LoRA runs in the compute dtype here (peft runs it in float32): a
     difference at the compute dtype's rounding. The adapter is read once, at
     construction: build a new decoder after the adapter changes.
@@ -140,15 +151,19 @@ class _Proj:
         self.out = sum(self.widths)
         adapters = [(i, a, b) for i, (_, a, b) in enumerate(parts) if a is not None]
         a_cat = torch.cat([a for _, a, _ in adapters]) if adapters else None  # (total rank, in)
+        self.merged = False
         if fuse_base and (len(modules) > 1 or adapters):
             dense = [_dense_weight(b, dtype, dequantize) for b in self.bases]
             if all(w is not None for w in dense):
-                self.weight = torch.cat(dense + ([a_cat] if adapters else []))
+                if dequantize:  # the dense copy: each adapter merged into its own copy of the weights
+                    dense = [w if a is None else _merged(w, m) for w, m, (_, a, _) in zip(dense, modules, parts)]
+                    self.merged = True
+                self.weight = torch.cat(dense + ([a_cat] if adapters and not self.merged else []))
                 starts = [sum(self.widths[:i]) for i in range(len(modules))]
-                # Each module's base rows of the stacked copy (views): what the kernel step reads of it.
+                # Each module's rows of the stacked copy (views): what the kernel step reads of it.
                 self.dense_rows = {id(m): self.weight[r:r + w] for m, r, w in zip(modules, starts, self.widths)}
             del dense  # the dequantized matrices: only their stacked copy stays
-        if not adapters:
+        if not adapters or self.merged:
             return
         if self.weight is not None:  # one block-diagonal B over the stacked output
             b_bd = torch.zeros(self.out, a_cat.shape[0], dtype=dtype, device=a_cat.device)
@@ -233,7 +248,7 @@ class StaticDecoder:
 
             reason = None if required else auto_choice(self.body, slots, self.dense_copy)
             # With the dense copy the kernels read its rows (views, no further copy), not the NF4 bases.
-            rows = {key: view for p in self.layers for name in ("qkv", "o", "gate_up", "down")
+            rows = {key: (view, p[name].merged) for p in self.layers for name in ("qkv", "o", "gate_up", "down")
                     for key, view in p[name].dense_rows.items()} if self.dense_copy else {}
             fused = None if reason is not None else plan_layers(self.body, self.dtype, _lora_parts,
                                                                  lambda module: rows.get(id(module)))

@@ -127,11 +127,12 @@ def _inverse_rms(x_base, batch_ok, K, eps, BLOCK_B: tl.constexpr, BLOCK_K: tl.co
 
 @triton.jit
 def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
-          a_ptr, b_ptr, r, rows, N, K,
+          a_ptr, b_ptr, r, batch, stride_xa, rows, N, K,
           eps, DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
           DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr):
     """norm(x) @ W[rows].T + (norm(x) @ A.T) @ B[rows].T for BLOCK_B rows of x, float32 [BLOCK_B, BLOCK_N].
+    LORA 1: norm(x) @ A.T along K beside the product, in every program; 2: read from `_lora_down`'s output.
 
     An NF4 tile is read as [BLOCK_N, BLOCK_K / 64, 32] bytes: one absmax per 64-element block (K is a multiple
     of 64, so blocks never straddle rows), each byte's high and low nibbles interleaved back into columns.
@@ -171,7 +172,7 @@ def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, c
             high = round_to_dtype(tl.load(code_ptr + (packed >> 4)) * scale[:, :, None], DTYPE)
             low = round_to_dtype(tl.load(code_ptr + (packed & 15)) * scale[:, :, None], DTYPE)
             w = tl.reshape(tl.interleave(high, low), (BLOCK_N, BLOCK_K))
-        if LORA:  # A is [r, K]
+        if LORA == 1:  # A is [r, K]
             a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=(ranks[:, None] < r) & col_ok[None, :],
                         other=0.0)
             if PRODUCT != 1:
@@ -186,13 +187,52 @@ def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, c
                 inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / K + eps)
             x = round_to_dtype(round_to_dtype(x * inv_rms[:, None], DTYPE) * gamma, DTYPE)
         acc += _product(x, w, PRODUCT, DTYPE)
-        if LORA:
+        if LORA == 1:
             xa += _product(x, a, PRODUCT, DTYPE)
-    if LORA:  # B is [N, r], scaled by alpha / r
+    if LORA == 2:  # x @ A.T of this launch, computed once by `_lora_down`: a_ptr is this weight's first column of it
+        xa = tl.load(a_ptr + batch[:, None].to(tl.int64) * stride_xa + ranks[None, :],
+                     mask=batch_ok[:, None] & (ranks[None, :] < r), other=0.0)
+    if LORA > 0:  # B is [N, r], scaled by alpha / r
         b_tile = tl.load(b_ptr + rows[:, None] * r + ranks[None, :], mask=row_ok[:, None] & (ranks[None, :] < r),
                          other=0.0).to(tl.float32)
         acc += _product(xa, b_tile, 0 if PRODUCT == 1 else PRODUCT, DTYPE)
     return acc
+
+
+@triton.jit
+def _lora_down(x_ptr, stride_xb, B, K, norm_ptr, eps, a_ptr, R, xa_ptr, NORM: tl.constexpr, DTYPE: tl.constexpr,
+               BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """xa [B, R] = norm(x) @ A.T in float32 for a launch's stacked A [R, K]: once per launch, where the
+    projection's programs would each redo it (a product as large as their weight tile's)."""
+    if PDL:
+        gdc_launch_dependents()
+    ranks = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    batch = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    batch_ok, rank_ok = batch < B, ranks < R
+    x_base = x_ptr + batch[:, None].to(tl.int64) * stride_xb
+    inv_rms = tl.zeros((BLOCK_B,), dtype=tl.float32)
+    if NORM and K > BLOCK_K:
+        if PDL:
+            gdc_wait()
+        inv_rms = _inverse_rms(x_base, batch_ok, K, eps, BLOCK_B, BLOCK_K)
+    xa = tl.zeros((BLOCK_B, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=rank_ok[:, None] & col_ok[None, :],
+                    other=0.0).to(tl.float32)
+        if NORM:
+            gamma = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if PDL:
+            gdc_wait()
+        x = tl.load(x_base + cols[None, :], mask=batch_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        if NORM:  # rounded as `_tile` rounds it
+            if K <= BLOCK_K:
+                inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / K + eps)
+            x = round_to_dtype(round_to_dtype(x * inv_rms[:, None], DTYPE) * gamma, DTYPE)
+        xa += _product(x, a, 2, DTYPE)
+    tl.store(xa_ptr + batch[:, None].to(tl.int64) * R + ranks[None, :], xa,
+             mask=batch_ok[:, None] & rank_ok[None, :])
 
 
 @triton.jit
@@ -211,7 +251,7 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
              w0, absmax0, absmax2_0, offset0, a0, b0, n0,
              w1, absmax1, absmax2_1, offset1, a1, b1, n1,
              w2, absmax2, absmax2_2, offset2, a2, b2, n2,
-             y_ptr, stride_yb, residual_ptr, stride_rb,
+             y_ptr, stride_yb, residual_ptr, stride_rb, stride_xa,
              PARTS: tl.constexpr, SILU_MUL: tl.constexpr, DENSE: tl.constexpr, NESTED: tl.constexpr,
              NORM: tl.constexpr, LORA: tl.constexpr, RESIDUAL: tl.constexpr, DTYPE: tl.constexpr,
              BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -234,10 +274,10 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
     if SILU_MUL:  # gate (part 0) and up (part 1), the same rows: SiLU(gate) * up, each rounded as the modules round
         rows = block * BLOCK_N + local
         gate = round_to_dtype(_tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr,
-                            offset0, a0, b0, r, rows, n0, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N,
+                            offset0, a0, b0, r, batch, stride_xa, rows, n0, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N,
                             BLOCK_K, BLOCK_R, PRODUCT, PDL), DTYPE)
         up = round_to_dtype(_tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr, code2_ptr, offset1,
-                          a1, b1, r, rows, n1, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K,
+                          a1, b1, r, batch, stride_xa, rows, n1, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K,
                           BLOCK_R, PRODUCT, PDL), DTYPE)
         acc = round_to_dtype(gate / (1.0 + tl.exp(-gate)), DTYPE) * up
         _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, rows < n0, residual_ptr, stride_rb, RESIDUAL)
@@ -247,7 +287,7 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
         if block < blocks0:
             rows = block * BLOCK_N + local
             acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr, offset0,
-                        a0, b0, r, rows, n0, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R,
+                        a0, b0, r, batch, stride_xa, rows, n0, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R,
                         PRODUCT, PDL)
             _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, rows < n0, residual_ptr, stride_rb, RESIDUAL)
         else:
@@ -255,7 +295,7 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
                 if block < blocks0 + blocks1:
                     rows = (block - blocks0) * BLOCK_N + local
                     acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr, code2_ptr,
-                                offset1, a1, b1, r, rows, n1, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N,
+                                offset1, a1, b1, r, batch, stride_xa, rows, n1, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N,
                                 BLOCK_K, BLOCK_R, PRODUCT, PDL)
                     _store(acc, y_ptr, stride_yb, batch, batch_ok, n0 + rows, rows < n1, residual_ptr, stride_rb,
                            RESIDUAL)
@@ -263,7 +303,7 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
                     if PARTS > 2:
                         rows = (block - blocks0 - blocks1) * BLOCK_N + local
                         acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w2, absmax2, absmax2_2, code_ptr, code2_ptr,
-                                    offset2, a2, b2, r, rows, n2, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B,
+                                    offset2, a2, b2, r, batch, stride_xa, rows, n2, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B,
                                     BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL)
                         _store(acc, y_ptr, stride_yb, batch, batch_ok, n0 + n1 + rows, rows < n2, residual_ptr,
                                stride_rb, RESIDUAL)
@@ -339,13 +379,15 @@ def tile_config(batch: int, on_gpu: bool, dense: bool = False) -> tuple[int, int
 def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
             residual: torch.Tensor | None = None, silu_mul: bool = False, block_n: int | None = None,
             block_k: int | None = None, product: int | None = None, num_warps: int = 4,
-            num_stages: int | None = None) -> torch.Tensor:
+            num_stages: int | None = None, lora_a_stacked: torch.Tensor | None = None) -> torch.Tensor:
     """norm(x) through 1-3 weights of one kind: side by side -> [B, sum N] (+ residual), or with `silu_mul`
     (two weights, gate then up) SiLU(gate) * up -> [B, N].
 
     `norm_weight`: an RMSNorm of x first (float32 statistics, as Qwen3's); `residual`: [B, N] added at the end;
     `product`, `block_n`, `block_k`: how the tiles multiply (`_product`) and their size; by default
-    `tile_config`'s choice for the batch.
+    `tile_config`'s choice for the batch; `lora_a_stacked`: the weights' A matrices stacked [len * r, K]
+    (`stack_lora_a`), so that norm(x) @ A.T is computed once for the launch (`_lora_down`, one more launch)
+    rather than in every program beside its weight tile.
     """
     k = weights[0].k
     default = tile_config(x.shape[0], x.is_cuda, weights[0].dense)
@@ -386,12 +428,27 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     block_b = triton.next_power_of_2(batch) if product == PRODUCT_BROADCAST else 16  # tl.dot's smallest M is 16
     block_b = min(block_b, 16)
     rank = 0 if first.lora_a is None else first.lora_a.shape[0]
+    options = launch_options(x.device)
+    lora, a_of, stride_xa = (1 if rank else 0), [w.lora_a for w in weights], 0
+    if rank and lora_a_stacked is not None:
+        if lora_a_stacked.shape != (len(weights) * rank, k) or not lora_a_stacked.is_contiguous():
+            raise ValueError(f"lora_a_stacked must be the {len(weights)} A matrices stacked, contiguous "
+                             f"[{len(weights) * rank}, {k}]; got {tuple(lora_a_stacked.shape)}")
+        stride_xa = lora_a_stacked.shape[0]
+        xa = torch.empty((batch, stride_xa), dtype=torch.float32, device=x.device)
+        down_b = min(triton.next_power_of_2(batch), 16)
+        _lora_down[(triton.cdiv(stride_xa, 16), triton.cdiv(batch, down_b))](
+            x, x.stride(0), batch, k, norm_weight if norm_weight is not None else x, eps, lora_a_stacked, stride_xa,
+            xa, NORM=norm_weight is not None, DTYPE=dtype_code(x.dtype), BLOCK_B=down_b, BLOCK_R=16,
+            BLOCK_K=block_k, **options)
+        lora, a_of = 2, [xa[:, i * rank:] for i in range(len(weights))]  # each weight's columns of xa
 
     flat = []
+    a_of += [a_of[-1]] * (3 - len(weights))
     for i, w in enumerate(weights + [weights[-1]] * (3 - len(weights))):  # unused slots: width 0, never read
         unused = w.data
         flat += [w.data, unused if w.absmax is None else w.absmax, unused if w.absmax2 is None else w.absmax2,
-                 w.offset, unused if w.lora_a is None else w.lora_a, unused if w.lora_b is None else w.lora_b,
+                 w.offset, unused if a_of[i] is None else a_of[i], unused if w.lora_b is None else w.lora_b,
                  w.n if i < len(weights) else 0]
     blocks = triton.cdiv(width, block_n) if silu_mul else sum(triton.cdiv(w.n, block_n) for w in weights)
     grid = (blocks, triton.cdiv(batch, block_b))
@@ -400,9 +457,18 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     _project[grid](
         x, x.stride(0), batch, k, norm_weight if norm_weight is not None else x, eps, code, code2, rank, *flat,
         y, y.stride(0), residual if residual is not None else y, 0 if residual is None else residual.stride(0),
+        stride_xa,
         PARTS=len(weights), SILU_MUL=silu_mul, DENSE=first.dense, NESTED=first.nested, NORM=norm_weight is not None,
-        LORA=rank > 0, RESIDUAL=residual is not None, DTYPE=dtype_code(x.dtype),
+        LORA=lora, RESIDUAL=residual is not None, DTYPE=dtype_code(x.dtype),
         BLOCK_B=block_b, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, triton.next_power_of_2(max(rank, 1))),
         PRODUCT=product, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
-        **launch_options(x.device))
+        **options)
     return y
+
+
+def stack_lora_a(weights: list[Weight]) -> torch.Tensor | None:
+    """The A matrices of one launch's weights stacked [len * r, K] for `project(lora_a_stacked=...)`; None
+    without LoRA."""
+    if weights[0].lora_a is None:
+        return None
+    return torch.cat([w.lora_a for w in weights]).contiguous()

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from miniverl.engine.rollout.decode_attention import decode_attention, qk_norm_rope_append
-from miniverl.engine.rollout.decode_projection import Weight, project
+from miniverl.engine.rollout.decode_projection import Weight, project, stack_lora_a
 
 
 AUTO_MAX_SLOTS = {"nf4": 4, "dense": 1}  # the most slots at which `rollout.engine: auto` takes the kernel step
@@ -49,16 +49,19 @@ def auto_choice(body: torch.nn.Module, slots: int, dense_copy: bool = False) -> 
 def plan_layers(body: torch.nn.Module, dtype: torch.dtype, lora_parts, dense_of=None) -> list[dict]:
     """Each layer's weights as the kernels read them; ValueError for a model they do not cover.
 
-    `dense_of(module)`: the dense [out, in] matrix to read for a projection instead of its base layer's weight
-    (the decoder's dense copy of NF4 weights), or None to read the base layer's own.
+    `dense_of(module)`: (the dense [out, in] matrix to read for a projection instead of its base layer's weight,
+    whether its adapter is merged into it) for the decoder's dense copy of NF4 weights, or None to read the
+    base layer's own.
     """
     def weight_of(module: torch.nn.Module) -> Weight:
         base, a, b = lora_parts(module, dtype)
         dense = None if dense_of is None else dense_of(module)
         if dense is None:
             return Weight.of(base, a, b)
-        return Weight(dense.shape[0], dense.shape[1], dense, lora_a=None if a is None else a.contiguous(),
-                      lora_b=None if b is None else b.contiguous())
+        matrix, merged = dense
+        if merged or a is None:
+            return Weight(matrix.shape[0], matrix.shape[1], matrix)
+        return Weight(matrix.shape[0], matrix.shape[1], matrix, lora_a=a.contiguous(), lora_b=b.contiguous())
 
     layers = []
     for layer in body.layers:
@@ -76,9 +79,10 @@ def plan_layers(body: torch.nn.Module, dtype: torch.dtype, lora_parts, dense_of=
         if codes and not all(torch.equal(w.code, codes[0].code) and torch.equal(w.code2, codes[0].code2)
                              for w in codes):
             raise ValueError("the NF4 weights of a layer must share bitsandbytes' code tables")
+        groups = {"qkv": [weights["q"], weights["k"], weights["v"]], "o": [weights["o"]],
+                  "gate_up": [weights["gate"], weights["up"]], "down": [weights["down"]]}
         layers.append({
-            "qkv": [weights["q"], weights["k"], weights["v"]], "o": [weights["o"]],
-            "gate_up": [weights["gate"], weights["up"]], "down": [weights["down"]],
+            **groups, **{f"{name}_a": stack_lora_a(group) for name, group in groups.items()},
             "input_norm": layer.input_layernorm, "post_norm": layer.post_attention_layernorm,
             "q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight, "qk_eps": attn.q_norm.variance_epsilon,
         })
@@ -101,13 +105,14 @@ def decode_step(decoder, fused: list[dict]) -> torch.Tensor:
     h = decoder.body.embed_tokens(tokens_S)
     for index, f in enumerate(fused):
         norm = f["input_norm"]
-        qkv = project(h, f["qkv"], norm_weight=norm.weight, eps=norm.variance_epsilon)
+        qkv = project(h, f["qkv"], norm_weight=norm.weight, eps=norm.variance_epsilon, lora_a_stacked=f["qkv_a"])
         q = qk_norm_rope_append(qkv, f["q_norm"], f["k_norm"], f["qk_eps"], cos, sin, positions_S,
                                 decoder.k_cache[index], decoder.v_cache[index])
         attended = decode_attention(q, decoder.k_cache[index], decoder.v_cache[index], positions_S)
-        h = project(attended.view(S, -1), f["o"], residual=h)
+        h = project(attended.view(S, -1), f["o"], residual=h, lora_a_stacked=f["o_a"])
         norm = f["post_norm"]
-        act = project(h, f["gate_up"], norm_weight=norm.weight, eps=norm.variance_epsilon, silu_mul=True)
-        h = project(act, f["down"], residual=h)
+        act = project(h, f["gate_up"], norm_weight=norm.weight, eps=norm.variance_epsilon, silu_mul=True,
+                      lora_a_stacked=f["gate_up_a"])
+        h = project(act, f["down"], residual=h, lora_a_stacked=f["down_a"])
     final = decoder.body.norm
     return decoder.lm_head(F.rms_norm(h, final.weight.shape, final.weight, final.variance_epsilon))

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton", reason="needs Triton (the dev extra installs it)")
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
-from miniverl.engine.rollout.decode_projection import Weight, project  # noqa: E402
+from miniverl.engine.rollout.decode_projection import Weight, project, stack_lora_a  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # How the tiles multiply (decode_projection._product): float32 dots, broadcast sums, and on a GPU tensor-core
@@ -82,12 +82,14 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("kind", ["nf4", "nf4-single", "dense"])
 @pytest.mark.parametrize("product", PRODUCTS)
 @pytest.mark.parametrize("batch", [1, 5, 17])  # one row, a ragged tile, two batch tiles
-def test_three_weights_side_by_side_with_norm(kind: str, product: int, batch: int):
+def test_three_weights_side_by_side_with_norm(kind: str, product: int, batch: int, stacked: bool = False):
     gen = torch.Generator().manual_seed(batch)
     k, eps = 192, 1e-6
     parts = [make(kind, n, k, 8, gen) for n in (96, 40, 40)]  # q, k, v: ragged widths, tiles straddle parts
     x, gamma = draw(gen, batch, k, s=3.0), draw(gen, k, s=0.5)
-    y = project(x, [w for w, *_ in parts], norm_weight=gamma, eps=eps, product=product, block_n=32, block_k=64)
+    weights = [w for w, *_ in parts]
+    y = project(x, weights, norm_weight=gamma, eps=eps, product=product, block_n=32, block_k=64,
+                lora_a_stacked=stack_lora_a(weights) if stacked else None)
     assert y.shape == (batch, 176) and y.dtype == torch.bfloat16
     x64 = normed64(x, gamma, eps)
     want = torch.cat([linear64(x64, used, a, b) for _, used, a, b in parts], dim=1)
@@ -97,20 +99,30 @@ def test_three_weights_side_by_side_with_norm(kind: str, product: int, batch: in
 
 
 @pytest.mark.parametrize("kind", ["nf4", "dense"])
+@pytest.mark.parametrize("batch", [1, 17])
+def test_x_times_a_once_per_launch_is_the_same_projection(kind: str, batch: int):
+    """lora_a_stacked: norm(x) @ A.T by `_lora_down` once, read by every program, against float64."""
+    test_three_weights_side_by_side_with_norm(kind, PRODUCTS[0], batch, stacked=True)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "dense"])
 @pytest.mark.parametrize("product", PRODUCTS)
-def test_gate_up_silu_mul_and_residual(kind: str, product: int):
+@pytest.mark.parametrize("stacked", [False, True], ids=["a-per-program", "a-once"])
+def test_gate_up_silu_mul_and_residual(kind: str, product: int, stacked: bool):
     gen = torch.Generator().manual_seed(3)
     batch, k, n, eps = 3, 128, 192, 1e-6
     (gate, g64, ga, gb), (up, u64, ua, ub) = make(kind, n, k, 4, gen), make(kind, n, k, 4, gen)
     x, gamma = draw(gen, batch, k, s=2.0), draw(gen, k, s=0.5)
-    y = project(x, [gate, up], norm_weight=gamma, eps=eps, silu_mul=True, product=product, block_n=32, block_k=64)
+    y = project(x, [gate, up], norm_weight=gamma, eps=eps, silu_mul=True, product=product, block_n=32, block_k=64,
+                lora_a_stacked=stack_lora_a([gate, up]) if stacked else None)
     x64 = normed64(x, gamma, eps)
     g, u = linear64(x64, g64, ga, gb), linear64(x64, u64, ua, ub)
     assert rel(y, g * torch.sigmoid(g) * u) <= 1e-2  # gate, up and SiLU each rounded to bf16, as the modules do
     assert rel(y, g * u) > 0.1
     down, d64, da, db = make(kind, 48, n, 4, gen)
     residual = draw(gen, batch, 48, s=2.0)
-    z = project(y, [down], residual=residual, product=product, block_n=16, block_k=64)
+    z = project(y, [down], residual=residual, product=product, block_n=16, block_k=64,
+                lora_a_stacked=stack_lora_a([down]) if stacked else None)
     want = residual.double().cpu() + linear64(y.double().cpu(), d64, da, db)
     assert rel(z, want) <= 4e-3
     assert rel(z, want - residual.double().cpu()) > 0.1

@@ -159,9 +159,13 @@ def test_the_dense_copy_decodes_an_nf4_model_as_its_module_step_does():
     dense = StaticDecoder(model, slots=3, max_len=64, use_graph=False, kernels=False, dense_copy=True)
     assert dense.fused is None and plain.layers[0]["qkv"].weight is None  # packed: one matmul per base
     stacked = dense.layers[0]["qkv"].weight
-    assert stacked is not None and stacked.dtype == torch.bfloat16 and stacked.shape == (64 + 32 + 32 + 3 * 8, 64)
-    q = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
-    assert torch.equal(stacked[:64], bnb.functional.dequantize_4bit(q.data, q.quant_state))  # bitsandbytes' weights
+    assert stacked is not None and stacked.dtype == torch.bfloat16 and stacked.shape == (64 + 32 + 32, 64)
+    q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
+    q = q_proj.base_layer.weight
+    # bitsandbytes' weights with the adapter merged in: W + scaling B A in float32, rounded once
+    delta = q_proj.scaling["default"] * q_proj.lora_B["default"].weight.float() @ q_proj.lora_A["default"].weight.float()
+    merged = (bnb.functional.dequantize_4bit(q.data, q.quant_state).float() + delta).to(torch.bfloat16)
+    assert torch.equal(stacked[:64], merged) and dense.layers[0]["qkv"].merged and not dense.layers[0]["qkv"].b_ts
     prompts = [[5, 9, 17, 33], [7, 1], [60, 61, 62, 63, 64, 65, 66]]
     for decoder in (plain, dense):
         decoder.prefill([0, 1, 2], prompts)
@@ -179,8 +183,8 @@ def test_the_dense_copy_decodes_an_nf4_model_as_its_module_step_does():
 
 @torch.no_grad()
 def test_the_kernel_step_reads_the_dense_copy_in_place():
-    """rollout.dense_copy with the kernel step: the kernels read the stacked copy's rows (views, no further copy),
-    and every step's logits are the module step's on the packed weights, and a full forward's, to bf16 rounding."""
+    """rollout.dense_copy with the kernel step: the kernels read the stacked copy's rows (views, no further copy,
+    the adapter merged in), and every step's logits are the module step's on the packed weights, and a full forward's, to bf16 rounding."""
     from miniverl.engine.rollout.cuda_graph import StaticDecoder
 
     model = with_lora(tiny_model(nf4=True))
@@ -189,7 +193,7 @@ def test_the_kernel_step_reads_the_dense_copy_in_place():
     assert dense.fused is not None
     stacked = dense.layers[0]["qkv"].weight
     q, k, v = dense.fused[0]["qkv"]
-    assert q.dense and k.dense and v.dense and q.lora_a is not None
+    assert q.dense and k.dense and v.dense and q.lora_a is None  # the adapter is merged into the copy
     start, row = stacked.data_ptr(), stacked.stride(0) * stacked.element_size()
     assert [w.data.data_ptr() for w in (q, k, v)] == [start, start + 64 * row, start + 96 * row]  # rows of the copy
     down = dense.fused[1]["down"][0]
