@@ -52,7 +52,7 @@ except ImportError:  # pragma: no cover - an older Triton: the kernels launch wi
 QUANT_BLOCK = 64  # elements per absmax: the only NF4 block size read here
 NESTED_BLOCK = 256  # absmaxes per second-level scale (bitsandbytes' double quantization)
 PRODUCT_DOT32, PRODUCT_TENSOR_CORE, PRODUCT_BROADCAST = 0, 1, 2
-DENSE_TENSOR_CORE_TILE = (16, 512)  # (block_n, block_k) of tensor-core tiles over dense weights
+DENSE_TENSOR_CORE_TILE = (16, 256)  # (block_n, block_k) over dense weights: results/decode_kernels_h200_dense_tc8.json
 
 
 def dtype_code(dtype: torch.dtype) -> int:

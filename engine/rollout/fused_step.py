@@ -13,13 +13,14 @@ Then the final norm and the LM head (one cuBLAS GEMV) as the module step
 runs them. The bases are NF4 (bitsandbytes, read in place) or bf16/fp16/fp32
 linears, each with one plain LoRA adapter or none (all seven alike).
 
-Where it is faster (`AUTO_MAX_SLOTS`, from benchmarks/results/decode_kernels_h200.md:
-the replayed step on one H200 at Qwen3-0.6B's shape with LoRA r8): NF4 1.96 ms
-against the module step's 3.61 at one slot, 3.66 against 4.30 at four, slower
-at eight; bf16 1.85 against 2.59 at one slot, slower at four. Beyond those
-slot counts the broadcast tiles redo the dequantization per row of x and the
-tensor-core tiles convert layouts: the module step (bitsandbytes' GEMV and
-cuBLAS) wins there.
+Where it is faster (`AUTO_MAX_SLOTS`, from the replayed step on one H200 at
+Qwen3-0.6B's shape with LoRA r16, benchmarks/results/decode_kernels_h200_session4.md):
+NF4 1.73 ms against the module step's 3.58 at one slot, slower at eight (5.5
+against 4.7); bf16 1.26 against 2.57 at one slot, slower at eight. With
+`rollout.dense_copy` (more than one sequence, the adapter merged into the
+copy) the module step on the copy is the faster at eight (1.97 against 2.09),
+so `auto` counts the copy as dense weights. The Triton launches use
+programmatic dependent launch where the GPU has it (compute capability 9 on).
 """
 
 from __future__ import annotations
