@@ -174,7 +174,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """softmax(q k^T / sqrt(d)) v per slot over keys 0..positions[slot]: q [S, H, D], caches [S, Hkv, L, D] -> [S, H, D].
 
     Splits of 32 keys, read 32 at a time up to 4 slots and 16 beyond: the fastest on an H200 at Qwen3-0.6B's
-    heads over 704 keys (8.0 us at one slot, 23.5 at eight; benchmarks/results/decode_kernels_h200.md).
+    heads over 704 keys (8.0 us at one slot, 23.5 at eight; benchmarks/results/decode_attention_h200_broadcast.json).
     """
     slots, heads, head_dim = q.shape
     block_l = (32 if slots <= 4 else 16) if block_l is None else block_l

@@ -126,6 +126,20 @@ def _inverse_rms(x_base, batch_ok, K, eps, BLOCK_B: tl.constexpr, BLOCK_K: tl.co
 
 
 @triton.jit
+def _normed_x(x_base, batch_ok, cols, col_ok, gamma, inv_rms, K, eps, NORM: tl.constexpr, BLOCK_K: tl.constexpr,
+              DTYPE: tl.constexpr):
+    """One [BLOCK_B, BLOCK_K] tile of x in float32, RMS-normalized (with NORM) as Qwen3RMSNorm rounds: normalized
+    x to x's dtype, then times the weight `gamma`, rounded again. When one tile spans K (K <= BLOCK_K) the
+    statistics come from this tile (masked columns are 0); otherwise `inv_rms` is the whole row's."""
+    x = tl.load(x_base + cols[None, :], mask=batch_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    if NORM:
+        if K <= BLOCK_K:
+            inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / K + eps)
+        x = round_to_dtype(round_to_dtype(x * inv_rms[:, None], DTYPE) * gamma, DTYPE)
+    return x
+
+
+@triton.jit
 def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
           a_ptr, b_ptr, r, batch, stride_xa, rows, N, K,
           eps, DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
@@ -137,8 +151,8 @@ def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, c
     An NF4 tile is read as [BLOCK_N, BLOCK_K / 64, 32] bytes: one absmax per 64-element block (K is a multiple
     of 64, so blocks never straddle rows), each byte's high and low nibbles interleaved back into columns.
     Each step loads its weight tile before x, so under PDL (broadcast products) the first one is read before the
-    wait; dot loops wait before the loop (`_project`), since Triton pipelines their loads ahead. When one
-    tile spans K (K <= BLOCK_K), the norm's statistics come from that x tile; otherwise `inv_rms` is given.
+    wait; dot loops wait before the loop (`_project`), since Triton pipelines their loads ahead. `inv_rms`:
+    as `_normed_x` takes it.
     """
     ks = tl.arange(0, BLOCK_K)
     groups = tl.arange(0, BLOCK_K // 64)  # 64: QUANT_BLOCK (a plain global cannot enter a Triton function)
@@ -177,15 +191,12 @@ def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, c
                         other=0.0)
             if PRODUCT != 1:
                 a = a.to(tl.float32)
+        gamma = 1.0
         if NORM:
             gamma = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if PDL and PRODUCT == 2:  # what earlier kernels wrote is read from here on (a no-op after the first step)
             gdc_wait()
-        x = tl.load(x_base + cols[None, :], mask=batch_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        if NORM:  # as Qwen3RMSNorm rounds: normalized x to x's dtype, then times the weight, rounded again
-            if K <= BLOCK_K:  # this tile is the whole row (masked columns are 0)
-                inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / K + eps)
-            x = round_to_dtype(round_to_dtype(x * inv_rms[:, None], DTYPE) * gamma, DTYPE)
+        x = _normed_x(x_base, batch_ok, cols, col_ok, gamma, inv_rms, K, eps, NORM, BLOCK_K, DTYPE)
         acc += _product(x, w, PRODUCT, DTYPE)
         if LORA == 1:
             xa += _product(x, a, PRODUCT, DTYPE)
@@ -221,15 +232,12 @@ def _lora_down(x_ptr, stride_xb, B, K, norm_ptr, eps, a_ptr, R, xa_ptr, NORM: tl
         col_ok = cols < K
         a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=rank_ok[:, None] & col_ok[None, :],
                     other=0.0).to(tl.float32)
+        gamma = 1.0
         if NORM:
             gamma = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if PDL:
             gdc_wait()
-        x = tl.load(x_base + cols[None, :], mask=batch_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        if NORM:  # rounded as `_tile` rounds it
-            if K <= BLOCK_K:
-                inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / K + eps)
-            x = round_to_dtype(round_to_dtype(x * inv_rms[:, None], DTYPE) * gamma, DTYPE)
+        x = _normed_x(x_base, batch_ok, cols, col_ok, gamma, inv_rms, K, eps, NORM, BLOCK_K, DTYPE)
         xa += _product(x, a, 2, DTYPE)
     tl.store(xa_ptr + batch[:, None].to(tl.int64) * R + ranks[None, :], xa,
              mask=batch_ok[:, None] & rank_ok[None, :])
