@@ -148,6 +148,24 @@ def test_auto_takes_the_kernel_step_only_where_it_was_measured_faster(nf4: bool)
     assert cuda_graph.StaticDecoder(model, slots=most + 1, max_len=16, use_graph=False, kernels=True).fused
 
 
+def decodes_like_the_module_step(model, plain, dense, steps: int) -> None:
+    """Prefill both decoders with prompts of different lengths, then feed `plain`'s greedy tokens: every step,
+    `dense`'s logits are `plain`'s and a full forward's of the peft model, to bf16 rounding."""
+    prompts = [[5, 9, 17, 33], [7, 1], [60, 61, 62, 63, 64, 65, 66]]
+    for decoder in (plain, dense):
+        decoder.prefill([0, 1, 2], prompts)
+    positions, sequences = [len(p) for p in prompts], [list(p) for p in prompts]
+    tokens = plain.logits.argmax(-1).tolist()
+    for _ in range(steps):
+        for decoder in (plain, dense):
+            decoder.step(tokens, positions)
+        for sequence, token in zip(sequences, tokens):
+            sequence.append(token)
+        full = torch.stack([model(input_ids=torch.tensor([s], device=DEVICE)).logits[0, -1] for s in sequences])
+        assert rel(dense.logits, plain.logits) <= 2e-2 and rel(dense.logits, full) <= 2 * rel(plain.logits, full) + 5e-3
+        tokens, positions = plain.logits.argmax(-1).tolist(), [p + 1 for p in positions]
+
+
 @torch.no_grad()
 def test_the_dense_copy_decodes_an_nf4_model_as_its_module_step_does():
     """rollout.dense_copy: the NF4 bases dequantized into one stacked copy per group (the module step here):
@@ -166,19 +184,7 @@ def test_the_dense_copy_decodes_an_nf4_model_as_its_module_step_does():
     delta = q_proj.scaling["default"] * q_proj.lora_B["default"].weight.float() @ q_proj.lora_A["default"].weight.float()
     merged = (bnb.functional.dequantize_4bit(q.data, q.quant_state).float() + delta).to(torch.bfloat16)
     assert torch.equal(stacked[:64], merged) and dense.layers[0]["qkv"].merged and not dense.layers[0]["qkv"].b_ts
-    prompts = [[5, 9, 17, 33], [7, 1], [60, 61, 62, 63, 64, 65, 66]]
-    for decoder in (plain, dense):
-        decoder.prefill([0, 1, 2], prompts)
-    positions, sequences = [len(p) for p in prompts], [list(p) for p in prompts]
-    tokens = plain.logits.argmax(-1).tolist()
-    for _ in range(5):
-        for decoder in (plain, dense):
-            decoder.step(tokens, positions)
-        for sequence, token in zip(sequences, tokens):
-            sequence.append(token)
-        full = torch.stack([model(input_ids=torch.tensor([s], device=DEVICE)).logits[0, -1] for s in sequences])
-        assert rel(dense.logits, plain.logits) <= 2e-2 and rel(dense.logits, full) <= 2 * rel(plain.logits, full) + 5e-3
-        tokens, positions = plain.logits.argmax(-1).tolist(), [p + 1 for p in positions]
+    decodes_like_the_module_step(model, plain, dense, steps=5)
 
 
 @torch.no_grad()
@@ -198,16 +204,4 @@ def test_the_kernel_step_reads_the_dense_copy_in_place():
     assert [w.data.data_ptr() for w in (q, k, v)] == [start, start + 64 * row, start + 96 * row]  # rows of the copy
     down = dense.fused[1]["down"][0]
     assert down.data.data_ptr() == dense.layers[1]["down"].weight.data_ptr()
-    prompts = [[5, 9, 17, 33], [7, 1], [60, 61, 62, 63, 64, 65, 66]]
-    for decoder in (plain, dense):
-        decoder.prefill([0, 1, 2], prompts)
-    positions, sequences = [len(p) for p in prompts], [list(p) for p in prompts]
-    tokens = plain.logits.argmax(-1).tolist()
-    for _ in range(4):
-        for decoder in (plain, dense):
-            decoder.step(tokens, positions)
-        for sequence, token in zip(sequences, tokens):
-            sequence.append(token)
-        full = torch.stack([model(input_ids=torch.tensor([s], device=DEVICE)).logits[0, -1] for s in sequences])
-        assert rel(dense.logits, plain.logits) <= 2e-2 and rel(dense.logits, full) <= 2 * rel(plain.logits, full) + 5e-3
-        tokens, positions = plain.logits.argmax(-1).tolist(), [p + 1 for p in positions]
+    decodes_like_the_module_step(model, plain, dense, steps=4)
