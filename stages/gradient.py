@@ -21,6 +21,7 @@ import torch
 
 from miniverl.engine.core import layout
 from miniverl.engine.core.artifacts import ChunkAttempt, CycleSummary, Gradient, Rollout
+from miniverl.engine.core.device import offloads_activations
 from miniverl.engine.core.errors import ArtifactError, StageFailed
 from miniverl.engine.core.layout import Ref, StageKey
 from miniverl.engine.core.faults import oom_guard
@@ -70,7 +71,8 @@ def _one_pass(recipe: Recipe, host: ModelHost, rollout: Rollout, teacher: dict[s
     body, head_VH = decoder_and_head(student)
     total_positions = sum(len(t.sampling_logprobs) for t in rollout.trajectories)
     totals = LossStats(0.0, 0.0, 0, 0)
-    summed = {name: torch.zeros_like(p, dtype=torch.float64) for name, p in params.items()}
+    # In host memory: 8 bytes a parameter that the device need not hold (80 MB at LoRA r16 on Qwen3-0.6B).
+    summed = {name: torch.zeros(p.shape, dtype=torch.float64) for name, p in params.items()}
     offset = 0
     batches = micro_batches(rollout.trajectories, recipe.train.trajectory_batch_size)
     with reporter.bar(f"cycle {rollout.cycle} gradient (chunk {chunk_size})", len(batches), "micro-batches") as advance:
@@ -86,12 +88,12 @@ def _one_pass(recipe: Recipe, host: ModelHost, rollout: Rollout, teacher: dict[s
             # depend on how the group is split, and so would the update.
             for name, p in params.items():
                 if p.grad is not None:
-                    summed[name] += p.grad.double()
+                    summed[name] += p.grad.to("cpu", torch.float64)
                     p.grad = None
             totals = LossStats(totals.loss_sum + stats.loss_sum, totals.kl_sum + stats.kl_sum,
                                totals.positions + stats.positions, totals.chunks + stats.chunks)
             advance(1)
-    grads = {name: total.float().cpu() for name, total in summed.items()}
+    grads = {name: total.float() for name, total in summed.items()}
     return grads, totals, len(batches)
 
 
@@ -101,7 +103,7 @@ def compute(recipe: Recipe, host: ModelHost, rollout: Rollout, teacher: dict[str
     student = host.student(adapter)
     student.train()
     if recipe.train.gradient_checkpointing:
-        set_gradient_checkpointing(student, True)
+        set_gradient_checkpointing(student, True, offload=offloads_activations(recipe, host.device))
     chunk_size = recipe.loss.chunk_size
     attempts: list[ChunkAttempt] = []
     try:

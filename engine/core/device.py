@@ -104,6 +104,27 @@ def resolve_optimizer(requested: str, device: str) -> Resolution:
     return Resolution("adamw", "auto: plain AdamW on CPU")
 
 
+def resolve_activation_offload(requested: bool | str, checkpointing: bool, device: str) -> Resolution:
+    """train.offload_activations: the checkpointed layers' inputs in host memory during the gradient stage."""
+    if requested is True and not checkpointing:
+        raise RecipeError("recipe key train.offload_activations: true offloads the inputs gradient checkpointing "
+                          "keeps; set train.gradient_checkpointing: true, or offload_activations: auto")
+    if requested is not True and requested is not False:  # auto
+        if not checkpointing:
+            return Resolution("false", "auto: train.gradient_checkpointing is off, so no layer input is kept to "
+                                       "offload")
+        if not device.startswith("cuda"):
+            return Resolution("false", "auto: on CPU the kept layer inputs are in host memory already")
+        return Resolution("true", "auto: each checkpointed layer's input waits in pinned host memory until its "
+                                "backward (one copy out, one back, per layer)")
+    return Resolution("true" if requested else "false", "requested by the recipe")
+
+
+def offloads_activations(recipe: Recipe, device: str) -> bool:
+    train = recipe.train
+    return resolve_activation_offload(train.offload_activations, train.gradient_checkpointing, device).value == "true"
+
+
 def check_quantization(quantization: str, device: str) -> None:
     if quantization == "nf4" and device == "cpu":
         raise RecipeError(
@@ -120,6 +141,8 @@ def resolve_all(recipe: Recipe) -> dict[str, Resolution]:
         "dtype": resolve_dtype(recipe.dtype, device.value),
         "memory.strategy": resolve_memory_strategy(recipe.memory.strategy, quantized, device.value),
         "optimizer.name": resolve_optimizer(recipe.optimizer.name, device.value),
+        "train.offload_activations": resolve_activation_offload(recipe.train.offload_activations,
+                                                                recipe.train.gradient_checkpointing, device.value),
     }
 
 

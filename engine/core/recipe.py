@@ -126,6 +126,10 @@ class TrainSpec(_Strict):
     # Recompute each student layer in the gradient stage's backward instead of
     # keeping its activations: less memory, one more forward; same gradient.
     gradient_checkpointing: bool = False
+    # With gradient_checkpointing: the one tensor each layer keeps (its input) waits in pinned host memory
+    # until that layer's backward, so the kept inputs take no device memory; same gradient, bit for bit.
+    # auto: on CUDA with checkpointing.
+    offload_activations: bool | Auto = "auto"
 
     @property
     def score_batch(self) -> int | str:

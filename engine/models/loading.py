@@ -186,12 +186,14 @@ def is_quantized(model: torch.nn.Module) -> bool:
     return any(type(p).__module__.startswith("bitsandbytes") for p in model.parameters())
 
 
-def set_gradient_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
+def set_gradient_checkpointing(model: torch.nn.Module, enabled: bool, offload: bool = False) -> None:
     """Recompute each decoder layer in the backward instead of keeping its activations.
 
     Non-reentrant checkpointing, so the frozen (and possibly NF4) base needs no
     inputs that require grad for the LoRA parameters inside a layer to train.
-    transformers 5.2x renamed the methods (`activation_checkpointing_*`); accept both.
+    `offload`: the layer input each checkpoint keeps waits in host memory
+    (`offloaded_checkpoint`). transformers 5.2x renamed the methods
+    (`activation_checkpointing_*`); accept both.
     """
     causal = base_model(model)
     if enabled:
@@ -200,6 +202,10 @@ def set_gradient_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
             causal.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             causal.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if offload:  # every checkpointed layer calls its own `_gradient_checkpointing_func`
+            for module in causal.modules():
+                if getattr(module, "gradient_checkpointing", False):
+                    module._gradient_checkpointing_func = offloaded_checkpoint
         return
     if hasattr(causal, "activation_checkpointing_disable"):
         causal.activation_checkpointing_disable()
@@ -209,6 +215,31 @@ def set_gradient_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
     # no-grad stages (rollout, verify) must not inherit that hook.
     if hasattr(causal, "_require_grads_hook"):
         causal.disable_input_require_grads()
+
+
+def offloaded_checkpoint(function, *args, **kwargs):
+    """A non-reentrant checkpoint whose kept inputs live in host memory until the recompute.
+
+    The checkpoint saves only the layer's inputs, through the saved-tensor hooks
+    active around it, so these hooks see exactly those tensors. The copies are
+    asynchronous on the compute stream into pinned memory: the stream orders
+    the copy out before the device block's reuse and the copy back before the
+    recompute, and the host allocator keeps a pinned block until its copies end.
+    """
+    with torch.autograd.graph.saved_tensors_hooks(_to_host, _to_device):
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def _to_host(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
+    # A CPU tensor is copied too (unpinned), so the CPU tests run this very path.
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+    host.copy_(tensor, non_blocking=tensor.is_cuda)
+    return tensor.device, host
+
+
+def _to_device(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
+    device, tensor = packed
+    return tensor.to(device, non_blocking=True)
 
 
 # --------------------------------------------------------------------------- shared_backbone: the teacher adapter

@@ -26,6 +26,7 @@ from typing import Any
 from safetensors import safe_open
 
 from miniverl.engine.core import layout
+from miniverl.engine.core.device import offloads_activations
 from miniverl.engine.core.recipe import Recipe
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -274,6 +275,8 @@ def estimate(recipe: Recipe, student: ModelShape, teacher: ModelShape, device: s
         the workspace term covers the rest; benchmarks/results/cycle_bench_h200.json)."""
         return batch * tokens * (16 * shape.hidden + 8 * shape.intermediate) * b
 
+    offloaded = offloads_activations(recipe, device)
+
     def all_layers(shape: ModelShape, batch: int) -> int:
         """A backward needs every layer's inputs: norms, q/k/v, attention output, the MLP's gate, up, product
         and their LoRA intermediates. With gradient checkpointing only each layer's input is kept, plus one
@@ -282,7 +285,8 @@ def estimate(recipe: Recipe, student: ModelShape, teacher: ModelShape, device: s
         per_token = 20 * shape.hidden + 2 * shape.q_dim + 2 * shape.kv_dim + 8 * shape.intermediate
         gathered = 3 * shape.hidden
         if train.gradient_checkpointing:
-            return batch * tokens * (shape.layers * shape.hidden + per_token + gathered) * b
+            kept = 0 if offloaded else shape.layers * shape.hidden  # train.offload_activations: in host memory
+            return batch * tokens * (kept + per_token + gathered) * b
         return batch * tokens * (shape.layers * per_token + gathered) * b
 
     def sampling(shape: ModelShape, batch: int) -> int:
@@ -308,8 +312,8 @@ def estimate(recipe: Recipe, student: ModelShape, teacher: ModelShape, device: s
                       one_layer(student, rollout_batch) + work, sampling(student, rollout_batch), overhead),
         StageEstimate(layout.TEACHER_SCORE, weights(layout.TEACHER_SCORE), lora, 0, one_layer(teacher, score) + work,
                       teacher_chunk, overhead),
-        # The adapter, its gradient and the float64 sum of the micro-batches' gradients (stages.gradient).
-        StageEstimate(layout.GRADIENT, weights(layout.GRADIENT), 4 * lora, 0, all_layers(student, micro) + work,
+        # The adapter and its gradient (the float64 sum of the micro-batches' gradients is in host memory).
+        StageEstimate(layout.GRADIENT, weights(layout.GRADIENT), 2 * lora, 0, all_layers(student, micro) + work,
                       loss_chunk, overhead),
         StageEstimate(layout.OPTIMIZER_STEP, weights(layout.OPTIMIZER_STEP), 3 * lora + lora // FP32 * moments, 0,
                       work, 0, overhead),

@@ -94,6 +94,23 @@ def test_memory_strategy_on_cpu_is_resident():
         assert device.resolve_memory_strategy(requested, False, "cpu").value == "resident"
 
 
+@pytest.mark.parametrize("requested,checkpointing,where,value,needle", [
+    ("auto", True, "cuda", "true", "pinned host memory"),
+    ("auto", True, "cpu", "false", "host memory already"),
+    ("auto", False, "cuda", "false", "checkpointing is off"),
+    (False, True, "cuda", "false", "requested"),
+    (True, True, "cpu", "true", "requested"),
+])
+def test_activation_offload(requested, checkpointing, where, value, needle):
+    resolved = device.resolve_activation_offload(requested, checkpointing, where)
+    assert resolved.value == value and needle in resolved.reason
+
+
+def test_activation_offload_without_checkpointing_is_refused():
+    with pytest.raises(RecipeError, match="set train.gradient_checkpointing: true"):
+        device.resolve_activation_offload(True, False, "cuda")
+
+
 def test_optimizer_auto():
     assert device.resolve_optimizer("auto", "cuda").value == "paged_adamw_8bit"
     assert device.resolve_optimizer("auto", "cpu").value == "adamw"

@@ -3,7 +3,8 @@
 On CPU in float32 the recomputation is the same arithmetic, so the gradient
 must match the plain backward to rounding; afterwards the student is back to
 a plain eval model (no checkpointing, no hook on its embeddings), so the next
-no-grad stage is unaffected.
+no-grad stage is unaffected. train.offload_activations moves exactly the kept
+layer inputs through host copies: the gradient must be bit-identical.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import yaml
 
 from support import SMALL, recipe_dict
+from miniverl.engine.models import loading
 from miniverl.engine.models.loading import base_model
 from miniverl.engine.core.progress import Reporter
 from miniverl.engine.core.recipe import parse_recipe
@@ -37,7 +39,7 @@ def tiny_dirs(tmp_path_factory):
     return root
 
 
-def test_checkpointing_gives_the_same_gradient(tiny_dirs):
+def test_checkpointing_gives_the_same_gradient(tiny_dirs, monkeypatch):
     data = recipe_dict(**{**SMALL, "train.rollouts_per_cycle": 4, "train.trajectory_batch_size": 2,
                           "models.student.id": "test/student", "models.student.path": str(tiny_dirs / "student"),
                           "models.teacher.id": "test/teacher", "models.teacher.path": str(tiny_dirs / "teacher")})
@@ -50,15 +52,30 @@ def test_checkpointing_gives_the_same_gradient(tiny_dirs):
     trajectories = rollout.sample(recipe, host, build_task(recipe.task, {}), adapter, "test", 0, QUIET)
     _, scores = teacher_score.score(recipe, host, trajectories, QUIET)
     results = {}
-    for enabled in (False, True):
-        variant = msgspec.structs.replace(recipe, train=msgspec.structs.replace(recipe.train, gradient_checkpointing=enabled))
+    offloaded: list[tuple[int, ...]] = []
+    real_to_host = loading._to_host
+
+    def counting_to_host(tensor):
+        offloaded.append(tuple(tensor.shape))
+        return real_to_host(tensor)
+
+    monkeypatch.setattr(loading, "_to_host", counting_to_host)
+    for enabled, offload in ((False, False), (True, False), (True, True)):
+        variant = msgspec.structs.replace(recipe, train=msgspec.structs.replace(
+            recipe.train, gradient_checkpointing=enabled, offload_activations=offload))
         result = gradient.compute(variant, host, trajectories, scores, adapter, QUIET)
         grads, stats = result.grads, result.stats
-        results[enabled] = (torch.cat([grads[n].flatten() for n in sorted(grads)]), stats.loss_sum)
+        results[enabled, offload] = (torch.cat([grads[n].flatten() for n in sorted(grads)]), stats.loss_sum)
         causal = base_model(host.student())
         assert not causal.training and not getattr(causal, "_require_grads_hooks", None)
         assert not any(getattr(m, "gradient_checkpointing", False) for m in causal.modules())
-    plain, checkpointed = results[False][0], results[True][0]
+    plain, checkpointed = results[False, False][0], results[True, False][0]
     assert plain.norm() > 0
     assert float((checkpointed - plain).norm() / plain.norm()) <= 1e-6
-    assert results[True][1] == pytest.approx(results[False][1], rel=1e-6)
+    assert results[True, False][1] == pytest.approx(results[False, False][1], rel=1e-6)
+    assert torch.equal(results[True, True][0], checkpointed) and results[True, True][1] == results[True, False][1]
+    # Only the offloading run copied, and only each layer's input: one [batch, length, hidden] per layer
+    # per micro-batch (2 micro-batches of 2 here).
+    config = base_model(host.student()).config
+    assert len(offloaded) == 2 * config.num_hidden_layers
+    assert all(len(shape) == 3 and shape[0] == 2 and shape[2] == config.hidden_size for shape in offloaded)
