@@ -221,6 +221,45 @@ def gradient_parts(recipe, host, rollout, scores, adapter, micro: int, chunk: in
             "peak_extra_bytes": got["peak_extra_bytes"], "parts_seconds": parts, "profile": table}
 
 
+def target_grid(recipe, host, rollout, scores, adapter, micros: list[int], chunk: int) -> dict:
+    """The issue's bar: the exact-mode stage at 6 x 704 tokens against the naive full-logits one (all six
+    trajectories at once, float32 [T, V] logits, checkpointing as the recipe), each variant's seconds (best
+    of 2 after a warm-up), its peak above the weights, and its gradient's distance to the module path's."""
+    import msgspec
+    import torch
+
+    from qwen_pipeline import naive_gradient
+    from miniverl.engine.core.progress import Reporter
+    from miniverl.stages import gradient
+
+    quiet = Reporter(enabled=False)
+    naive_gradient(host, rollout, scores["teacher_hidden"], adapter, True)  # warm-up
+    naive = measured(lambda: naive_gradient(host, rollout, scores["teacher_hidden"], adapter, True), 2)
+    out: dict = {"naive": {"seconds": naive["seconds"], "median_seconds": naive["median_seconds"],
+                           "peak_extra_bytes": naive["peak_extra_bytes"]}, "runs": []}
+    reference = None
+    for micro in micros:
+        for offload in (False, True):
+            for fused in (False, True) if cuda() else (False,):
+                variant = msgspec.structs.replace(
+                    recipe, train=msgspec.structs.replace(recipe.train, trajectory_batch_size=micro,
+                                                          offload_activations=offload, fused_kernels=fused),
+                    loss=msgspec.structs.replace(recipe.loss, chunk_size=chunk))
+                gradient.compute(variant, host, rollout, scores, adapter, quiet)  # warm-up
+                got = measured(lambda: gradient.compute(variant, host, rollout, scores, adapter, quiet), 2)
+                flat = torch.cat([g.flatten().double() for _, g in sorted(got["result"].grads.items())])
+                if reference is None:
+                    reference = flat
+                run = {"micro_batch": micro, "offload_activations": offload, "fused_kernels": fused,
+                       "chunk_size": chunk, "seconds": got["seconds"], "median_seconds": got["median_seconds"],
+                       "peak_extra_bytes": got["peak_extra_bytes"],
+                       "over_naive": got["seconds"] / naive["seconds"],
+                       "grad_rel_diff_to_first": float((flat - reference).norm() / reference.norm())}
+                out["runs"].append(run)
+                print(run, flush=True)
+    return out
+
+
 # ----------------------------------------------------------------------------- 3. memory per stage
 
 
@@ -339,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/gradient_profile"))
     parser.add_argument("--smoke", action="store_true", help="tiny CPU models: check the script, measure nothing")
     parser.add_argument("--skip", action="append", default=[], choices=("loss", "gradient", "memory", "optimizer",
-                                                                         "offload"))
+                                                                         "offload", "target"))
+    parser.add_argument("--target-micro", type=int, action="append", default=[],
+                        help="micro-batch sizes of the target grid (default 2, 3, 6)")
     args = parser.parse_args(argv)
     import torch
     import yaml
@@ -402,6 +443,10 @@ def main(argv: list[str] | None = None) -> int:
     from miniverl.stages import teacher_score
 
     _, scores = teacher_score.score(recipe, host, rollout, Reporter(enabled=False))
+    if "target" not in args.skip:
+        result["target"] = target_grid(recipe, host, rollout, scores, adapter, args.target_micro or [2, 3, 6],
+                                       256 if cuda() else 16)
+        save()
     if "gradient" not in args.skip:
         runs = [(1, 16, False, True), (2, 16, False, False), (6, 16, False, False)]
         if cuda():

@@ -21,7 +21,7 @@ import torch
 
 from miniverl.engine.core import layout
 from miniverl.engine.core.artifacts import ChunkAttempt, CycleSummary, Gradient, Rollout
-from miniverl.engine.core.device import offloads_activations
+from miniverl.engine.core.device import offloads_activations, uses_fused_kernels
 from miniverl.engine.core.errors import ArtifactError, StageFailed
 from miniverl.engine.core.layout import Ref, StageKey
 from miniverl.engine.core.faults import oom_guard
@@ -31,6 +31,7 @@ from miniverl.engine.models.loading import adapter_parameters, decoder_and_head,
 from miniverl.engine.core.progress import Reporter
 from miniverl.engine.core.recipe import Recipe
 from miniverl.engine.models.sequences import micro_batches, predicting_hidden
+from miniverl.engine.models.training_kernels import fused_training_ops
 from miniverl.stages.contract import Output, StageContext, artifact_output, checkpoint_inputs, tensor_output
 
 NAME = layout.GRADIENT
@@ -109,7 +110,8 @@ def compute(recipe: Recipe, host: ModelHost, rollout: Rollout, teacher: dict[str
     try:
         while True:
             try:
-                grads, stats, n_micro = _one_pass(recipe, host, rollout, teacher, chunk_size, reporter)
+                with fused_training_ops(student, uses_fused_kernels(recipe, host.device)):
+                    grads, stats, n_micro = _one_pass(recipe, host, rollout, teacher, chunk_size, reporter)
                 attempts.append(ChunkAttempt(chunk_size, True, None))
                 return GroupGradient(grads, stats, n_micro, chunk_size, attempts)
             except torch.OutOfMemoryError as exc:

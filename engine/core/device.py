@@ -10,6 +10,7 @@ import atexit
 import functools
 import gc
 import importlib.metadata
+import importlib.util
 import platform
 import subprocess
 from contextlib import contextmanager
@@ -125,6 +126,30 @@ def offloads_activations(recipe: Recipe, device: str) -> bool:
     return resolve_activation_offload(train.offload_activations, train.gradient_checkpointing, device).value == "true"
 
 
+def resolve_fused_kernels(requested: bool | str, device: str) -> Resolution:
+    """train.fused_kernels: liger-kernel's RMSNorm and SiLU-mul in the gradient stage's student layers."""
+    installed = importlib.util.find_spec("liger_kernel") is not None
+    if requested is True:
+        if not device.startswith("cuda"):
+            raise RecipeError("recipe key train.fused_kernels: true needs a CUDA device (the kernels are Triton); "
+                              "use auto or false")
+        if not installed:
+            raise RecipeError("recipe key train.fused_kernels: true needs liger-kernel; pip install liger-kernel, "
+                              "or use auto or false")
+        return Resolution("true", "requested by the recipe")
+    if requested is False:
+        return Resolution("false", "requested by the recipe")
+    if not device.startswith("cuda"):
+        return Resolution("false", "auto: the kernels are Triton, CUDA only; the module path here")
+    if not installed:
+        return Resolution("false", "auto: liger-kernel is not installed (pip install liger-kernel); the module path")
+    return Resolution("true", "auto: liger-kernel's RMSNorm and SiLU-mul in the student's layers while it trains")
+
+
+def uses_fused_kernels(recipe: Recipe, device: str) -> bool:
+    return resolve_fused_kernels(recipe.train.fused_kernels, device).value == "true"
+
+
 def check_quantization(quantization: str, device: str) -> None:
     if quantization == "nf4" and device == "cpu":
         raise RecipeError(
@@ -143,6 +168,7 @@ def resolve_all(recipe: Recipe) -> dict[str, Resolution]:
         "optimizer.name": resolve_optimizer(recipe.optimizer.name, device.value),
         "train.offload_activations": resolve_activation_offload(recipe.train.offload_activations,
                                                                 recipe.train.gradient_checkpointing, device.value),
+        "train.fused_kernels": resolve_fused_kernels(recipe.train.fused_kernels, device.value),
     }
 
 

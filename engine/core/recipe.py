@@ -130,6 +130,9 @@ class TrainSpec(_Strict):
     # until that layer's backward, so the kept inputs take no device memory; same gradient, bit for bit.
     # auto: on CUDA with checkpointing.
     offload_activations: bool | Auto = "auto"
+    # liger-kernel's fused RMSNorm and SiLU-mul in the student's layers for the gradient stage (less memory
+    # per recomputed layer, fewer launches). auto: on CUDA where liger-kernel is installed.
+    fused_kernels: bool | Auto = "auto"
 
     @property
     def score_batch(self) -> int | str:
