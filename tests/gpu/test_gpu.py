@@ -11,6 +11,7 @@ loss chunk's [C, V] logits weigh what they weigh at the real shapes.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import sys
@@ -117,6 +118,52 @@ def test_nf4_lora_backward_reaches_the_adapter_only(tmp_path, model_dirs):
         if name not in params:
             assert not param.requires_grad and param.grad is None, name
     assert _rel(_flat(grads[True]), _flat(grads[False])) < 1e-2  # checkpointing recomputes, the gradient stays
+
+
+def test_gradient_stage_execution_options_keep_the_gradient(model_dirs):
+    """The gradient stage's lean LoRA branch, liger's kernels and the offloaded checkpoints, on NF4 + LoRA:
+    the lean branch's forward is peft's bit for bit, the offload changes nothing at all, and each
+    gradient is the module path's to bf16 rounding."""
+    from miniverl.engine.models.loading import adapter_parameters, attach_lora, load_causal_lm, set_gradient_checkpointing
+    from miniverl.engine.models.lora_branch import lean_lora
+    from miniverl.engine.models.training_kernels import fused_training_ops
+    from miniverl.engine.core.recipe import LoraSpec
+
+    model = attach_lora(load_causal_lm(model_dirs["student"], torch.bfloat16, "cuda", nf4=True), LoraSpec(r=16, alpha=32.0), 0)
+    params = adapter_parameters(model)
+    with torch.no_grad():
+        for name, p in params.items():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    ids = torch.randint(0, 151669, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.no_grad():
+        plain_logits = model(input_ids=ids).logits
+        with lean_lora(model) as patched:
+            assert patched == 7 * model.config.num_hidden_layers
+            assert torch.equal(model(input_ids=ids).logits, plain_logits)
+
+    def grads(lean: bool, fused: bool, offload: bool) -> torch.Tensor:
+        model.train()
+        set_gradient_checkpointing(model, True, offload=offload)
+        try:
+            with fused_training_ops(model, fused) as layers, (lean_lora(model) if lean else contextlib.nullcontext()):
+                assert layers == (model.config.num_hidden_layers if fused else 0)
+                model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+        finally:
+            set_gradient_checkpointing(model, False)
+            model.eval()
+        flat = _flat({n: p.grad.detach().clone() for n, p in params.items()})
+        for p in params.values():
+            p.grad = None
+        return flat
+
+    module_path = grads(False, False, False)
+    lean = grads(True, False, False)
+    # Offloading moves the inputs, not the arithmetic: no further from the lean run than a rerun of it is.
+    assert _rel(grads(True, False, True), lean) <= 2 * _rel(grads(True, False, False), lean) + 1e-7
+    assert _rel(lean, module_path) < 1e-2
+    assert _rel(grads(True, True, True), module_path) < 1e-2
+    assert not any("forward" in vars(m) for m in model.modules())  # every patch undone
 
 
 # ----------------------------------------------------------------------------- paged 8-bit AdamW across a resume

@@ -79,3 +79,39 @@ def test_checkpointing_gives_the_same_gradient(tiny_dirs, monkeypatch):
     config = base_model(host.student()).config
     assert len(offloaded) == 2 * config.num_hidden_layers
     assert all(len(shape) == 3 and shape[0] == 2 and shape[2] == config.hidden_size for shape in offloaded)
+
+
+def test_the_lean_lora_branch_gives_peft_gradient(tiny_dirs, monkeypatch):
+    """stages.gradient trains through lora_branch.lean_lora; peft's own forward must give the same gradient."""
+    import contextlib
+
+    data = recipe_dict(**{**SMALL, "train.rollouts_per_cycle": 2, "train.trajectory_batch_size": 2,
+                          "train.gradient_checkpointing": True,
+                          "models.student.id": "test/student", "models.student.path": str(tiny_dirs / "student"),
+                          "models.teacher.id": "test/teacher", "models.teacher.path": str(tiny_dirs / "teacher")})
+    recipe = parse_recipe(yaml.safe_dump(data))
+    host = prepare(recipe)
+    gen = torch.Generator().manual_seed(1)
+    adapter = {n: t + 0.05 * torch.randn(t.shape, generator=gen) if "lora_B" in n else t
+               for n, t in host.initial_adapter().items()}
+    trajectories = rollout.sample(recipe, host, build_task(recipe.task, {}), adapter, "test", 0, QUIET)
+    _, scores = teacher_score.score(recipe, host, trajectories, QUIET)
+    counted = []
+    real_lean = gradient.lean_lora
+
+    @contextlib.contextmanager
+    def counting(model):
+        with real_lean(model) as patched:
+            counted.append(patched)
+            yield patched
+
+    monkeypatch.setattr(gradient, "lean_lora", counting)
+    lean = gradient.compute(recipe, host, trajectories, scores, adapter, QUIET)
+    monkeypatch.setattr(gradient, "lean_lora", lambda model: contextlib.nullcontext(0))
+    peft_path = gradient.compute(recipe, host, trajectories, scores, adapter, QUIET)
+    config = base_model(host.student()).config
+    assert counted == [7 * config.num_hidden_layers]  # every adapted projection of every layer
+    flat = {k: torch.cat([r.grads[n].flatten() for n in sorted(r.grads)]) for k, r in (("lean", lean), ("peft", peft_path))}
+    assert flat["peft"].norm() > 0
+    assert float((flat["lean"] - flat["peft"]).norm() / flat["peft"].norm()) <= 1e-6
+    assert lean.stats.loss_sum == pytest.approx(peft_path.stats.loss_sum, rel=1e-6)
