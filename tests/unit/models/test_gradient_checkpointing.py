@@ -115,3 +115,42 @@ def test_the_lean_lora_branch_gives_peft_gradient(tiny_dirs, monkeypatch):
     assert flat["peft"].norm() > 0
     assert float((flat["lean"] - flat["peft"]).norm() / flat["peft"].norm()) <= 1e-6
     assert lean.stats.loss_sum == pytest.approx(peft_path.stats.loss_sum, rel=1e-6)
+
+
+def test_the_sliced_mlp_backward_gives_the_same_gradient(tiny_dirs, monkeypatch):
+    """With checkpointing the stage reruns each MLP in slices of tokens in its backward (sliced_mlp);
+    slices of 5 tokens against none must give the gradient to float32 rounding, and every layer's MLP
+    must have gone through it."""
+    import contextlib
+
+    from miniverl.engine.models import sliced_mlp
+
+    data = recipe_dict(**{**SMALL, "train.rollouts_per_cycle": 2, "train.trajectory_batch_size": 2,
+                          "train.gradient_checkpointing": True,
+                          "models.student.id": "test/student", "models.student.path": str(tiny_dirs / "student"),
+                          "models.teacher.id": "test/teacher", "models.teacher.path": str(tiny_dirs / "teacher")})
+    recipe = parse_recipe(yaml.safe_dump(data))
+    host = prepare(recipe)
+    gen = torch.Generator().manual_seed(2)
+    adapter = {n: t + 0.05 * torch.randn(t.shape, generator=gen) if "lora_B" in n else t
+               for n, t in host.initial_adapter().items()}
+    trajectories = rollout.sample(recipe, host, build_task(recipe.task, {}), adapter, "test", 0, QUIET)
+    _, scores = teacher_score.score(recipe, host, trajectories, QUIET)
+    slices: list[int] = []
+    real_backward = sliced_mlp._SlicedRecompute.backward
+
+    def counting_backward(ctx, grad):
+        slices.append(-(-grad.reshape(-1, grad.shape[-1]).shape[0] // ctx.rows))
+        return real_backward(ctx, grad)
+
+    monkeypatch.setattr(sliced_mlp._SlicedRecompute, "backward", staticmethod(counting_backward))
+    monkeypatch.setattr(gradient, "sliced_mlp", lambda model, enabled: sliced_mlp.sliced_mlp(model, enabled, rows=5))
+    sliced = gradient.compute(recipe, host, trajectories, scores, adapter, QUIET)
+    config = base_model(host.student()).config
+    assert len(slices) == config.num_hidden_layers and min(slices) > 1
+    monkeypatch.setattr(gradient, "sliced_mlp", lambda model, enabled: contextlib.nullcontext(0))
+    whole = gradient.compute(recipe, host, trajectories, scores, adapter, QUIET)
+    flat = {k: torch.cat([r.grads[n].flatten() for n in sorted(r.grads)]) for k, r in (("s", sliced), ("w", whole))}
+    assert flat["w"].norm() > 0
+    assert float((flat["s"] - flat["w"]).norm() / flat["w"].norm()) <= 1e-6
+    assert not any("forward" in vars(m) for m in base_model(host.student()).modules())
