@@ -221,11 +221,11 @@ def gradient_parts(recipe, host, rollout, scores, adapter, micro: int, chunk: in
             "peak_extra_bytes": got["peak_extra_bytes"], "parts_seconds": parts, "profile": table}
 
 
-def target_grid(recipe, host, rollout, scores, adapter, grid: list[tuple[int, bool, bool, bool]], chunk: int) -> dict:
+def target_grid(recipe, host, rollout, scores, adapter, grid: list[tuple[int, bool, bool]], chunk: int) -> dict:
     """The issue's bar: the exact-mode stage at 6 x 704 tokens against the naive full-logits one (all six
     trajectories at once, float32 [T, V] logits, checkpointing as the recipe), each variant's seconds (best
     of 2 after a warm-up), its peak above the weights, and its gradient's distance to the first variant's.
-    `grid`: (micro-batch, offload_activations, fused_kernels, sliced MLP backward) tuples."""
+    `grid`: (micro-batch, offload_activations, fused_kernels) tuples."""
     import msgspec
     import torch
 
@@ -239,28 +239,23 @@ def target_grid(recipe, host, rollout, scores, adapter, grid: list[tuple[int, bo
     out: dict = {"naive": {"seconds": naive["seconds"], "median_seconds": naive["median_seconds"],
                            "peak_extra_bytes": naive["peak_extra_bytes"]}, "runs": []}
     reference = None
-    real_sliced = gradient.sliced_mlp
-    try:
-        for micro, offload, fused, sliced in grid:
-            if fused and not cuda():
-                continue
-            gradient.sliced_mlp = lambda model, enabled, sliced=sliced: real_sliced(model, enabled and sliced)
-            variant = msgspec.structs.replace(
-                recipe, train=msgspec.structs.replace(recipe.train, trajectory_batch_size=micro,
-                                                      offload_activations=offload, fused_kernels=fused),
-                loss=msgspec.structs.replace(recipe.loss, chunk_size=chunk))
-            gradient.compute(variant, host, rollout, scores, adapter, quiet)  # warm-up
-            got = measured(lambda: gradient.compute(variant, host, rollout, scores, adapter, quiet), 2)
-            flat = torch.cat([g.flatten().double() for _, g in sorted(got["result"].grads.items())])
-            reference = flat if reference is None else reference
-            run = {"micro_batch": micro, "offload_activations": offload, "fused_kernels": fused, "sliced_mlp": sliced,
-                   "chunk_size": chunk, "seconds": got["seconds"], "median_seconds": got["median_seconds"],
-                   "peak_extra_bytes": got["peak_extra_bytes"], "over_naive": got["seconds"] / naive["seconds"],
-                   "grad_rel_diff_to_first": float((flat - reference).norm() / reference.norm())}
-            out["runs"].append(run)
-            print(run, flush=True)
-    finally:
-        gradient.sliced_mlp = real_sliced
+    for micro, offload, fused in grid:
+        if fused and not cuda():
+            continue
+        variant = msgspec.structs.replace(
+            recipe, train=msgspec.structs.replace(recipe.train, trajectory_batch_size=micro,
+                                                  offload_activations=offload, fused_kernels=fused),
+            loss=msgspec.structs.replace(recipe.loss, chunk_size=chunk))
+        gradient.compute(variant, host, rollout, scores, adapter, quiet)  # warm-up
+        got = measured(lambda: gradient.compute(variant, host, rollout, scores, adapter, quiet), 2)
+        flat = torch.cat([g.flatten().double() for _, g in sorted(got["result"].grads.items())])
+        reference = flat if reference is None else reference
+        run = {"micro_batch": micro, "offload_activations": offload, "fused_kernels": fused,
+               "chunk_size": chunk, "seconds": got["seconds"], "median_seconds": got["median_seconds"],
+               "peak_extra_bytes": got["peak_extra_bytes"], "over_naive": got["seconds"] / naive["seconds"],
+               "grad_rel_diff_to_first": float((flat - reference).norm() / reference.norm())}
+        out["runs"].append(run)
+        print(run, flush=True)
     return out
 
 
@@ -449,8 +444,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _, scores = teacher_score.score(recipe, host, rollout, Reporter(enabled=False))
     if "target" not in args.skip:
-        grid = [(m, o, f, sl) for m in args.target_micro or [3, 6] for o in (False, True) for f in (False, True)
-                for sl in (False, True) if not (sl and not o)]
+        grid = [(m, o, f) for m in args.target_micro or [3, 6] for o in (False, True) for f in (False, True)]
         result["target"] = target_grid(recipe, host, rollout, scores, adapter, grid, args.target_chunk)
         save()
     if "gradient" not in args.skip:

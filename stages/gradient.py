@@ -32,7 +32,6 @@ from miniverl.engine.core.progress import Reporter
 from miniverl.engine.core.recipe import Recipe
 from miniverl.engine.models.lora_branch import lean_lora
 from miniverl.engine.models.sequences import micro_batches, predicting_hidden
-from miniverl.engine.models.sliced_mlp import sliced_mlp
 from miniverl.engine.models.training_kernels import fused_training_ops
 from miniverl.stages.contract import Output, StageContext, artifact_output, checkpoint_inputs, tensor_output
 
@@ -112,8 +111,7 @@ def compute(recipe: Recipe, host: ModelHost, rollout: Rollout, teacher: dict[str
     try:
         while True:
             try:
-                with fused_training_ops(student, uses_fused_kernels(recipe, host.device)), lean_lora(student), \
-                        sliced_mlp(student, recipe.train.gradient_checkpointing):
+                with fused_training_ops(student, uses_fused_kernels(recipe, host.device)), lean_lora(student):
                     grads, stats, n_micro = _one_pass(recipe, host, rollout, teacher, chunk_size, reporter)
                 attempts.append(ChunkAttempt(chunk_size, True, None))
                 return GroupGradient(grads, stats, n_micro, chunk_size, attempts)

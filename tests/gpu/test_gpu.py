@@ -121,13 +121,11 @@ def test_nf4_lora_backward_reaches_the_adapter_only(tmp_path, model_dirs):
 
 
 def test_gradient_stage_execution_options_keep_the_gradient(model_dirs):
-    """The gradient stage's lean LoRA branch, liger's kernels, the offloaded checkpoints and the sliced MLP
-    backward, on NF4 + LoRA:
+    """The gradient stage's lean LoRA branch, liger's kernels and the offloaded checkpoints, on NF4 + LoRA:
     the lean branch's forward is peft's bit for bit, the offload changes nothing at all, and each
     gradient is the module path's to bf16 rounding."""
     from miniverl.engine.models.loading import adapter_parameters, attach_lora, load_causal_lm, set_gradient_checkpointing
     from miniverl.engine.models.lora_branch import lean_lora
-    from miniverl.engine.models.sliced_mlp import sliced_mlp
     from miniverl.engine.models.training_kernels import fused_training_ops
     from miniverl.engine.core.recipe import LoraSpec
 
@@ -144,12 +142,11 @@ def test_gradient_stage_execution_options_keep_the_gradient(model_dirs):
             assert patched == 7 * model.config.num_hidden_layers
             assert torch.equal(model(input_ids=ids).logits, plain_logits)
 
-    def grads(lean: bool, fused: bool, offload: bool, sliced: bool = False) -> torch.Tensor:
+    def grads(lean: bool, fused: bool, offload: bool) -> torch.Tensor:
         model.train()
         set_gradient_checkpointing(model, True, offload=offload)
         try:
-            with fused_training_ops(model, fused) as layers, (lean_lora(model) if lean else contextlib.nullcontext()), \
-                    sliced_mlp(model, sliced, rows=48):
+            with fused_training_ops(model, fused) as layers, (lean_lora(model) if lean else contextlib.nullcontext()):
                 assert layers == (model.config.num_hidden_layers if fused else 0)
                 model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
         finally:
@@ -166,7 +163,6 @@ def test_gradient_stage_execution_options_keep_the_gradient(model_dirs):
     assert _rel(grads(True, False, True), lean) <= 2 * _rel(grads(True, False, False), lean) + 1e-7
     assert _rel(lean, module_path) < 1e-2
     assert _rel(grads(True, True, True), module_path) < 1e-2
-    assert _rel(grads(True, True, True, sliced=True), module_path) < 1e-2  # 128 tokens in slices of 48
     assert not any("forward" in vars(m) for m in model.modules())  # every patch undone
 
 
