@@ -92,8 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=400_000)
-    gradient.compute(recipe, host, rollout, scores, adapter, quiet)
+    # Python stacks only, and no early stop of the checkpoint's recompute: the early stop unwinds the
+    # recomputing forward by an exception, which the C++ stack capture turns into a SystemError.
+    torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        gradient.compute(recipe, host, rollout, scores, adapter, quiet)
     torch.cuda.synchronize()
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)

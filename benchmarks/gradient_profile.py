@@ -224,7 +224,7 @@ def gradient_parts(recipe, host, rollout, scores, adapter, micro: int, chunk: in
 def target_grid(recipe, host, rollout, scores, adapter, grid: list[tuple[int, bool, bool]], chunk: int) -> dict:
     """The issue's bar: the exact-mode stage at 6 x 704 tokens against the naive full-logits one (all six
     trajectories at once, float32 [T, V] logits, checkpointing as the recipe), each variant's seconds (best
-    of 2 after a warm-up), its peak above the weights, and its gradient's distance to the first variant's.
+    of 3 after a warm-up), its peak above the weights, and its gradient's distance to the first variant's.
     `grid`: (micro-batch, offload_activations, fused_kernels) tuples."""
     import msgspec
     import torch
@@ -235,7 +235,7 @@ def target_grid(recipe, host, rollout, scores, adapter, grid: list[tuple[int, bo
 
     quiet = Reporter(enabled=False)
     naive_gradient(host, rollout, scores["teacher_hidden"], adapter, True)  # warm-up
-    naive = measured(lambda: naive_gradient(host, rollout, scores["teacher_hidden"], adapter, True), 2)
+    naive = measured(lambda: naive_gradient(host, rollout, scores["teacher_hidden"], adapter, True), 3)
     out: dict = {"naive": {"seconds": naive["seconds"], "median_seconds": naive["median_seconds"],
                            "peak_extra_bytes": naive["peak_extra_bytes"]}, "runs": []}
     reference = None
@@ -247,7 +247,7 @@ def target_grid(recipe, host, rollout, scores, adapter, grid: list[tuple[int, bo
                                                   offload_activations=offload, fused_kernels=fused),
             loss=msgspec.structs.replace(recipe.loss, chunk_size=chunk))
         gradient.compute(variant, host, rollout, scores, adapter, quiet)  # warm-up
-        got = measured(lambda: gradient.compute(variant, host, rollout, scores, adapter, quiet), 2)
+        got = measured(lambda: gradient.compute(variant, host, rollout, scores, adapter, quiet), 3)
         flat = torch.cat([g.flatten().double() for _, g in sorted(got["result"].grads.items())])
         reference = flat if reference is None else reference
         run = {"micro_batch": micro, "offload_activations": offload, "fused_kernels": fused,

@@ -8,8 +8,9 @@ widest tensor: at 6 x 704 tokens on Qwen3-0.6B that is ~170 MB a layer, more
 than the rest of the recomputed layer. `_LoraBranch` does the same arithmetic
 (float32 matmuls on the cast input, the product scaled, summed and rounded
 in peft's order for the layer's kind) but keeps x itself, which the layer keeps anyway, and the small x·Aᵀ;
-the backward casts x again for A's gradient and frees the copy at once. It is
-also a handful of launches where the module path takes a dozen.
+the backward casts x again for A's gradient, a slice of rows at a time
+(`SLICE_BYTES`), as it does the other float32 temporaries. It is also a
+handful of launches where the module path takes a dozen.
 
 Scoped to the block, on the given model's own layer instances, and only for
 the plain case peft's own forward takes: one active adapter, not merged, not
@@ -26,27 +27,54 @@ import torch
 import torch.nn.functional as F
 
 
+# The float32 temporaries (x cast to the adapter's dtype, the incoming gradient cast, the gradient of x
+# before its rounding) are made this many bytes at a time, in equal slices of rows: at 6 x 704 tokens
+# down_proj's cast input alone is 50 MB, and the gradient stage's peak sits in that backward.
+SLICE_BYTES = 32 * 2**20
+
+
+def _slices(rows: int, width: int) -> list[slice]:
+    count = max(1, -(-rows * width * 4 // SLICE_BYTES))
+    step = -(-rows // count)
+    return [slice(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
+
+
 class _LoraBranch(torch.autograd.Function):
     """(x·Aᵀ)·Bᵀ·scaling on x cast to the adapter's dtype; returned in `out_dtype`, keeping x, not its cast."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
                 out_dtype: torch.dtype) -> torch.Tensor:
-        xa = F.linear(x.to(a.dtype), a)
-        ctx.save_for_backward(x, a, b, xa)
+        x_NI = x.reshape(-1, x.shape[-1])
+        parts = _slices(x_NI.shape[0], x_NI.shape[1])
+        if len(parts) == 1:
+            xa_NR = F.linear(x_NI.to(a.dtype), a)
+        else:
+            xa_NR = torch.empty(x_NI.shape[0], a.shape[0], dtype=a.dtype, device=x.device)
+            for part in parts:
+                xa_NR[part] = F.linear(x_NI[part].to(a.dtype), a)
+        ctx.save_for_backward(x, a, b, xa_NR)
         ctx.scaling = scaling
-        return (F.linear(xa, b) * scaling).to(out_dtype)
+        return (F.linear(xa_NR, b) * scaling).to(out_dtype).reshape(*x.shape[:-1], b.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, a, b, xa = ctx.saved_tensors
-        g_NO = grad.reshape(-1, grad.shape[-1]).to(b.dtype) * ctx.scaling
-        xa_NR = xa.reshape(-1, xa.shape[-1])
-        grad_b = g_NO.T @ xa_NR if ctx.needs_input_grad[2] else None
-        g_NR = g_NO @ b
-        grad_a = g_NR.T @ x.reshape(-1, x.shape[-1]).to(a.dtype) if ctx.needs_input_grad[1] else None
-        grad_x = (g_NR @ a).to(x.dtype).reshape(x.shape) if ctx.needs_input_grad[0] else None
-        return grad_x, grad_a, grad_b, None, None
+        x, a, b, xa_NR = ctx.saved_tensors
+        x_NI, grad_NO = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        want_x, want_a, want_b = ctx.needs_input_grad[:3]
+        grad_a = torch.zeros_like(a) if want_a else None
+        grad_b = torch.zeros_like(b) if want_b else None
+        grad_x_NI = torch.empty_like(x_NI) if want_x else None
+        for part in _slices(x_NI.shape[0], max(x_NI.shape[1], grad_NO.shape[1])):
+            g_NO = grad_NO[part].to(b.dtype) * ctx.scaling
+            if want_b:
+                grad_b.addmm_(g_NO.T, xa_NR[part])
+            g_NR = g_NO @ b
+            if want_a:
+                grad_a.addmm_(g_NR.T, x_NI[part].to(a.dtype))
+            if want_x:
+                grad_x_NI[part] = g_NR @ a
+        return (grad_x_NI.reshape(x.shape) if want_x else None), grad_a, grad_b, None, None
 
 
 def _lean_forward(layer: torch.nn.Module, adapter: str, rounds_first: bool, x: torch.Tensor, *args,

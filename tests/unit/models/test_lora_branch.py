@@ -44,7 +44,10 @@ def _grads(model, x):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, x.grad
 
 
-def test_matches_peft_and_a_float64_reference():
+@pytest.mark.parametrize("slice_bytes", [lora_branch.SLICE_BYTES, 4 * 20 * 4])  # one slice; slices of 4 rows
+def test_matches_peft_and_a_float64_reference(monkeypatch, slice_bytes):
+    monkeypatch.setattr(lora_branch, "SLICE_BYTES", slice_bytes)
+    assert len(lora_branch._slices(15, 20)) == (1 if slice_bytes > 15 * 20 * 4 else 4)
     model = _model()
     x = torch.randn(3, 5, 12)
     want, want_x = _grads(model.double(), x.double())
