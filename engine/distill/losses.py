@@ -317,7 +317,8 @@ def chunked_loss_backward(hidden_NH: Tensor, head_VH: Tensor, targets: PositionT
             with torch.no_grad():
                 if memory_guard is not None:
                     memory_guard(c * vocab_limit)
-                teacher_logits_CV = _chunk_logits(targets.teacher_hidden_NH[lo:hi], teacher_w_VH)
+                teacher_logits_CV = _chunk_logits(targets.teacher_hidden_NH[lo:hi].to(teacher_w_VH.device),
+                                                  teacher_w_VH)
                 teacher_logp_CV = torch.log_softmax(teacher_logits_CV, dim=-1)
                 del teacher_logits_CV
 
@@ -403,7 +404,8 @@ def _fused_exact_backward(hidden_NH: Tensor, head_VH: Tensor, targets: PositionT
             chunks += 1
             if memory_guard is not None:
                 memory_guard((hi - lo) * vocab_limit)
-            teacher_CV = targets.teacher_hidden_NH[lo:hi].to(teacher_w_VH.dtype) @ teacher_w_VH.T
+            # The teacher's hidden states may wait in host memory (stages.gradient): one chunk comes over.
+            teacher_CV = targets.teacher_hidden_NH[lo:hi].to(teacher_w_VH.device, teacher_w_VH.dtype) @ teacher_w_VH.T
             if memory_guard is not None:
                 memory_guard((hi - lo) * vocab_limit)
             student_CV = hidden_NH.detach()[lo:hi].to(w_VH.dtype) @ w_VH.T
