@@ -190,7 +190,8 @@ def set_gradient_checkpointing(model: torch.nn.Module, enabled: bool, offload: b
     """Recompute each decoder layer in the backward instead of keeping its activations.
 
     Non-reentrant checkpointing, so the frozen (and possibly NF4) base needs no
-    inputs that require grad for the LoRA parameters inside a layer to train.
+    inputs that require grad for the LoRA parameters inside a layer to train,
+    and the embeddings' output does not.
     `offload`: the layer input each checkpoint keeps waits in host memory
     (`offloaded_checkpoint`). transformers 5.2x renamed the methods
     (`activation_checkpointing_*`); accept both.
@@ -202,6 +203,11 @@ def set_gradient_checkpointing(model: torch.nn.Module, enabled: bool, offload: b
             causal.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             causal.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        # transformers also hooks the embeddings so their output requires grad, which only reentrant
+        # checkpointing needs; here it would make that output a leaf that lives, and gets a gradient
+        # of its own, through the whole backward (2 x 8 MB at 6 x 704 tokens of Qwen3-0.6B).
+        if hasattr(causal, "_require_grads_hook"):
+            causal.disable_input_require_grads()
         if offload:  # every checkpointed layer calls its own `_gradient_checkpointing_func`
             for module in causal.modules():
                 if getattr(module, "gradient_checkpointing", False):
@@ -211,10 +217,6 @@ def set_gradient_checkpointing(model: torch.nn.Module, enabled: bool, offload: b
         causal.activation_checkpointing_disable()
     else:
         causal.gradient_checkpointing_disable()
-    # Enabling also hooked the embeddings so their output requires grad; later
-    # no-grad stages (rollout, verify) must not inherit that hook.
-    if hasattr(causal, "_require_grads_hook"):
-        causal.disable_input_require_grads()
 
 
 def offloaded_checkpoint(function, *args, **kwargs):
