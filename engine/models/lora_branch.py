@@ -55,7 +55,13 @@ class _LoraBranch(torch.autograd.Function):
                 xa_NR[part] = F.linear(x_NI[part].to(a.dtype), a)
         ctx.save_for_backward(x, a, b, xa_NR)
         ctx.scaling = scaling
-        return (F.linear(xa_NR, b) * scaling).to(out_dtype).reshape(*x.shape[:-1], b.shape[0])
+        if out_dtype == a.dtype:  # summed in the adapter's dtype by the caller: no rounding here to slice
+            out_NO = F.linear(xa_NR, b) * scaling
+        else:  # rounded here: the float32 product need only exist a slice at a time
+            out_NO = torch.empty(x_NI.shape[0], b.shape[0], dtype=out_dtype, device=x.device)
+            for part in _slices(x_NI.shape[0], b.shape[0]):
+                out_NO[part] = F.linear(xa_NR[part], b).mul_(scaling)
+        return out_NO.reshape(*x.shape[:-1], b.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -91,3 +91,24 @@ def test_dropout_keeps_peft_forward(dropout):
     model = _model(dropout)
     with lora_branch.lean_lora(model) as patched:
         assert patched == 0
+
+
+def test_the_rounded_branch_in_slices_matches_one_pass(monkeypatch):
+    """The branch a bitsandbytes layer rounds before its sum, computed a slice of rows at a time,
+    against the one-pass float32 product; and its backward against float64."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 16, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    a = (torch.randn(4, 16, generator=gen) * 0.3).requires_grad_(True)
+    b = (torch.randn(24, 4, generator=gen) * 0.3).requires_grad_(True)
+    want = (torch.nn.functional.linear(torch.nn.functional.linear(x.float(), a), b) * 2.0).to(torch.bfloat16)
+    monkeypatch.setattr(lora_branch, "SLICE_BYTES", 2 * 24 * 4)  # slices of two rows
+    assert len(lora_branch._slices(9, 24)) == 5
+    got = lora_branch._LoraBranch.apply(x, a, b, 2.0, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert torch.allclose(got.float(), want.float(), rtol=8e-3, atol=1e-6)
+    weights = torch.randn(9, 24, generator=gen)
+    (got.float() * weights).sum().backward()
+    x64, a64, b64 = (t.detach().double().requires_grad_(True) for t in (x, a, b))
+    ((x64 @ a64.T @ b64.T * 2.0) * weights.double()).sum().backward()
+    for mine, ref in ((a.grad, a64.grad), (b.grad, b64.grad), (x.grad, x64.grad)):
+        assert float((mine.double() - ref).norm() / ref.norm()) < 1e-2
