@@ -87,7 +87,8 @@ def _one_pass(recipe: Recipe, host: ModelHost, rollout: Rollout, teacher: dict[s
                 n = hidden_NH.shape[0]
                 targets = _targets(spec.mode, tokens_N, teacher, offset, offset + n, teacher_head, host.device)
                 stats = chunked_loss_backward(hidden_NH, head_VH, targets, spec, chunk_size,
-                                              float(max(total_positions, 1)), host.vocab_limit, oom_guard)
+                                              float(max(total_positions, 1)), host.vocab_limit, oom_guard,
+                                              consume_hidden=True)
             offset += n
             summed.collect()
             totals = LossStats(totals.loss_sum + stats.loss_sum, totals.kl_sum + stats.kl_sum,

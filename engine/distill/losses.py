@@ -266,7 +266,8 @@ def _chunk_logits(h_CH: Tensor, w_VH: Tensor) -> Tensor:
 
 def chunked_loss_backward(hidden_NH: Tensor, head_VH: Tensor, targets: PositionTargets, spec: LossSpec,
                           chunk_size: int, normalizer: float, vocab_limit: int,
-                          memory_guard: Callable[[int], None] | None = None, fused: bool | None = None) -> LossStats:
+                          memory_guard: Callable[[int], None] | None = None, fused: bool | None = None,
+                          consume_hidden: bool = False) -> LossStats:
     """Add d[(sum_i loss_i) / normalizer] to the grads upstream of `hidden_NH` (and of `head_VH`).
 
     Backward runs here, chunk by chunk, so at most one chunk's logits live at
@@ -276,6 +277,8 @@ def chunked_loss_backward(hidden_NH: Tensor, head_VH: Tensor, targets: PositionT
 
     `fused`: the Triton path for `exact` (`fused_exact_applies` decides when
     None); False forces the unfused one, True requires the fused one.
+    `consume_hidden`: the caller will not read `hidden_NH` again, so the fused
+    path frees its storage once the chunks are done, before the model's backward.
     """
     _validate(hidden_NH, head_VH, targets, spec, chunk_size, normalizer, vocab_limit)
     n = hidden_NH.shape[0]
@@ -286,7 +289,7 @@ def chunked_loss_backward(hidden_NH: Tensor, head_VH: Tensor, targets: PositionT
         fused = fused_exact_applies(head_VH, targets, spec)
     if fused:
         return _fused_exact_backward(hidden_NH, head_VH, targets, spec, chunk_size, normalizer, vocab_limit,
-                                     memory_guard)
+                                     memory_guard, consume_hidden)
 
     # Detached leaves: each chunk's backward stops here instead of re-walking
     # (and freeing) the model graph; the model backward runs once at the end.
@@ -387,7 +390,7 @@ def fused_exact_applies(head_VH: Tensor, targets: PositionTargets, spec: LossSpe
 
 def _fused_exact_backward(hidden_NH: Tensor, head_VH: Tensor, targets: PositionTargets, spec: LossSpec,
                           chunk_size: int, normalizer: float, vocab_limit: int,
-                          memory_guard: Callable[[int], None] | None) -> LossStats:
+                          memory_guard: Callable[[int], None] | None, consume_hidden: bool = False) -> LossStats:
     """`exact` with `fused_exact.divergence_and_grad`: per chunk two GEMMs in, one GEMM out, no float32 [C, V]."""
     from miniverl.engine.distill.fused_exact import divergence_and_grad
 
@@ -417,6 +420,13 @@ def _fused_exact_backward(hidden_NH: Tensor, head_VH: Tensor, targets: PositionT
             del student_CV
             loss_total += value_C.double().sum()
     if want_hidden and n > 0:
-        torch.autograd.backward([hidden_NH], [grad_h_NH])
+        # The model's backward from sum(h * g), whose gradient in h is g exactly: the product's node
+        # then holds the only reference to g and drops it once it has run, where a backward from h
+        # with g as its gradient would keep g alive through the whole model (6 MB at 6 x 704 tokens).
+        surrogate = (hidden_NH * grad_h_NH).sum()
+        del grad_h_NH
+        if consume_hidden and not hidden_NH.is_leaf and hidden_NH._base is None:
+            hidden_NH.untyped_storage().resize_(0)  # its values are read; only its graph is needed now
+        surrogate.backward()
     total = float(loss_total)
     return LossStats(loss_sum=total, kl_sum=total, positions=n, chunks=chunks)
