@@ -125,3 +125,21 @@ def test_float16_logits_and_a_memory_guard():
                                 p["t_hidden"].double() @ p["t_head"].double().T)
     assert abs(stats.loss_sum - float(want.detach().sum())) <= 1e-2 * float(want.sum())
     assert hidden.grad.dtype == torch.float16 and torch.isfinite(hidden.grad).all()
+
+
+def test_consumed_hidden_states_are_freed_and_the_gradient_is_unchanged():
+    """consume_hidden (the gradient stage's call): the gathered hidden states' storage goes before the model's
+    backward, and the gradient reaching the model is the same as when they are kept; the teacher's hidden
+    states may wait on the host (stages.gradient keeps them there)."""
+    spec = SPECS[0]
+    p = problem(3)
+    targets = PositionTargets(torch.zeros(N, dtype=torch.long, device=DEVICE), teacher_hidden_NH=p["t_hidden"].cpu(),
+                              teacher_head_VH=p["t_head"])
+    grads = {}
+    for consume in (False, True):
+        leaf = p["hidden"].clone().requires_grad_(True)
+        hidden = leaf * 1.0  # a non-leaf, as the model's output is
+        chunked_loss_backward(hidden, p["head"], targets, spec, 7, NORMALIZER, V, fused=True, consume_hidden=consume)
+        assert (hidden.untyped_storage().size() == 0) == consume
+        grads[consume] = leaf.grad.clone()
+    assert torch.equal(grads[True], grads[False]) and grads[True].abs().sum() > 0
