@@ -111,6 +111,21 @@ def test_activation_offload_without_checkpointing_is_refused():
         device.resolve_activation_offload(True, False, "cuda")
 
 
+def test_fused_kernels(monkeypatch):
+    assert device.resolve_fused_kernels("auto", "cpu").value == "false"
+    assert device.resolve_fused_kernels(False, "cuda").value == "false"
+    with pytest.raises(RecipeError, match="needs a CUDA device"):
+        device.resolve_fused_kernels(True, "cpu")
+    real = device.importlib.util.find_spec
+    monkeypatch.setattr(device.importlib.util, "find_spec", lambda name: object() if name == "liger_kernel" else real(name))
+    assert device.resolve_fused_kernels("auto", "cuda").value == "true"
+    monkeypatch.setattr(device.importlib.util, "find_spec", lambda name: None if name == "liger_kernel" else real(name))
+    resolved = device.resolve_fused_kernels("auto", "cuda")
+    assert resolved.value == "false" and "not installed" in resolved.reason
+    with pytest.raises(RecipeError, match="pip install liger-kernel"):
+        device.resolve_fused_kernels(True, "cuda")
+
+
 def test_optimizer_auto():
     assert device.resolve_optimizer("auto", "cuda").value == "paged_adamw_8bit"
     assert device.resolve_optimizer("auto", "cpu").value == "adamw"
