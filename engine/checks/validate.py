@@ -20,7 +20,8 @@ from typing import Any, Sequence
 from miniverl.engine.models.memory_plan import PLANNED_KEYS
 from miniverl.engine.core.artifacts import Resolution
 from miniverl.engine.core.device import (
-    check_quantization, resolve_device, resolve_dtype, resolve_memory_strategy, resolve_optimizer,
+    check_quantization, resolve_activation_offload, resolve_device, resolve_dtype, resolve_fused_kernels,
+    resolve_memory_strategy, resolve_optimizer,
 )
 from miniverl.engine.core.errors import RecipeError, UserError
 from miniverl.engine.core.recipe import (
@@ -82,6 +83,9 @@ def resolve_here(recipe: Recipe, problems: list[str]) -> dict[str, Resolution]:
         ("dtype", resolve_dtype, (recipe.dtype, device.value)),
         ("memory.strategy", resolve_memory_strategy, (recipe.memory.strategy, quantized, device.value)),
         ("optimizer.name", resolve_optimizer, (recipe.optimizer.name, device.value)),
+        ("train.offload_activations", resolve_activation_offload,
+         (recipe.train.offload_activations, recipe.train.gradient_checkpointing, device.value)),
+        ("train.fused_kernels", resolve_fused_kernels, (recipe.train.fused_kernels, device.value)),
     ):
         value = _attempt(problems, check, *args)
         if value is not None:

@@ -75,6 +75,8 @@ RECIPE_FAULTS = {
     "dtype this device lacks": ({"dtype": "bfloat16"}, "recipe key dtype"),
     "nf4 without CUDA": ({"models.student.quantization": "nf4"}, "models.student.quantization"),
     "8-bit optimizer without CUDA": ({"optimizer.name": "paged_adamw_8bit"}, "optimizer.name"),
+    "offload without checkpointing": ({"train.offload_activations": True}, "train.offload_activations"),
+    "fused kernels without CUDA": ({"train.fused_kernels": True}, "train.fused_kernels"),
     "unknown embedded model": ({"models.teacher.id": "miniverl-builtin/absent"}, "no embedded model"),
     "model directory without config": ({"models.teacher.path": "/nonexistent/model"}, "has no config.json"),
 }
