@@ -126,23 +126,35 @@ def offloads_activations(recipe: Recipe, device: str) -> bool:
     return resolve_activation_offload(train.offload_activations, train.gradient_checkpointing, device).value == "true"
 
 
+@functools.lru_cache(maxsize=1)
+def _liger_problem() -> str | None:
+    """Why liger-kernel's two ops cannot be used here, or None. Imported once: an install whose Triton does
+    not suit it fails here, at the start of a run, rather than in the middle of the gradient stage."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel is not installed (pip install liger-kernel)"
+    try:
+        from liger_kernel.ops import LigerRMSNormFunction, LigerSiLUMulFunction  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means: not usable here, say why
+        return f"liger-kernel does not import here ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+    return None
+
+
 def resolve_fused_kernels(requested: bool | str, device: str) -> Resolution:
     """train.fused_kernels: liger-kernel's RMSNorm and SiLU-mul in the gradient stage's student layers."""
-    installed = importlib.util.find_spec("liger_kernel") is not None
-    if requested is True:
-        if not device.startswith("cuda"):
-            raise RecipeError("recipe key train.fused_kernels: true needs a CUDA device (the kernels are Triton); "
-                              "use auto or false")
-        if not installed:
-            raise RecipeError("recipe key train.fused_kernels: true needs liger-kernel; pip install liger-kernel, "
-                              "or use auto or false")
-        return Resolution("true", "requested by the recipe")
     if requested is False:
         return Resolution("false", "requested by the recipe")
     if not device.startswith("cuda"):
+        if requested is True:
+            raise RecipeError("recipe key train.fused_kernels: true needs a CUDA device (the kernels are Triton); "
+                              "use auto or false")
         return Resolution("false", "auto: the kernels are Triton, CUDA only; the module path here")
-    if not installed:
-        return Resolution("false", "auto: liger-kernel is not installed (pip install liger-kernel); the module path")
+    problem = _liger_problem()
+    if problem is not None:
+        if requested is True:
+            raise RecipeError(f"recipe key train.fused_kernels: true, but {problem}; fix that, or use auto or false")
+        return Resolution("false", f"auto: {problem}; the module path")
+    if requested is True:
+        return Resolution("true", "requested by the recipe")
     return Resolution("true", "auto: liger-kernel's RMSNorm and SiLU-mul in the student's layers while it trains")
 
 

@@ -116,14 +116,24 @@ def test_fused_kernels(monkeypatch):
     assert device.resolve_fused_kernels(False, "cuda").value == "false"
     with pytest.raises(RecipeError, match="needs a CUDA device"):
         device.resolve_fused_kernels(True, "cpu")
-    real = device.importlib.util.find_spec
-    monkeypatch.setattr(device.importlib.util, "find_spec", lambda name: object() if name == "liger_kernel" else real(name))
+    monkeypatch.setattr(device, "_liger_problem", lambda: None)
     assert device.resolve_fused_kernels("auto", "cuda").value == "true"
-    monkeypatch.setattr(device.importlib.util, "find_spec", lambda name: None if name == "liger_kernel" else real(name))
+    assert device.resolve_fused_kernels(True, "cuda").value == "true"
+    monkeypatch.setattr(device, "_liger_problem", lambda: "liger-kernel is not installed (pip install liger-kernel)")
     resolved = device.resolve_fused_kernels("auto", "cuda")
     assert resolved.value == "false" and "not installed" in resolved.reason
     with pytest.raises(RecipeError, match="pip install liger-kernel"):
         device.resolve_fused_kernels(True, "cuda")
+
+
+def test_liger_problem_names_a_missing_or_broken_install(monkeypatch):
+    real = device.importlib.util.find_spec
+    device._liger_problem.cache_clear()
+    monkeypatch.setattr(device.importlib.util, "find_spec", lambda name: None if name == "liger_kernel" else real(name))
+    try:
+        assert "not installed" in device._liger_problem()
+    finally:
+        device._liger_problem.cache_clear()
 
 
 def test_optimizer_auto():
