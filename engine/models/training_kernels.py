@@ -31,18 +31,14 @@ RMS_NORMS = ("input_layernorm", "post_attention_layernorm")
 HEAD_NORMS = ("q_norm", "k_norm")
 
 
-def _rms_norm(module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    from liger_kernel.ops import LigerRMSNormFunction
-
+def _rms_norm(rms_norm, module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     # casting_mode "llama": float32 inside, the weight applied after rounding to the input dtype, as
     # Qwen3RMSNorm does; not in place, so no gradient buffer another branch reads is overwritten.
-    return LigerRMSNormFunction.apply(hidden, module.weight, module.variance_epsilon, 0.0, "llama", False)
+    return rms_norm.apply(hidden, module.weight, module.variance_epsilon, 0.0, "llama", False)
 
 
-def _swiglu_mlp(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    from liger_kernel.ops import LigerSiLUMulFunction
-
-    return module.down_proj(LigerSiLUMulFunction.apply(module.gate_proj(x), module.up_proj(x)))
+def _swiglu_mlp(silu_mul, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module.down_proj(silu_mul.apply(module.gate_proj(x), module.up_proj(x)))
 
 
 def _patchable(layer: torch.nn.Module) -> bool:
@@ -61,6 +57,9 @@ def fused_training_ops(model: torch.nn.Module, enabled: bool = True) -> Iterator
     if not enabled:
         yield 0
         return
+    # Imported here, once a block, not in every forward of every patched module.
+    from liger_kernel.ops import LigerRMSNormFunction, LigerSiLUMulFunction
+
     causal = base_model(model)
     decoder = getattr(causal, "model", causal)
     patched: list[torch.nn.Module] = []
@@ -71,14 +70,14 @@ def fused_training_ops(model: torch.nn.Module, enabled: bool = True) -> Iterator
                 continue
             norms = [getattr(layer, n) for n in RMS_NORMS] + [getattr(layer.self_attn, n) for n in HEAD_NORMS]
             for norm in norms:
-                norm.forward = functools.partial(_rms_norm, norm)
+                norm.forward = functools.partial(_rms_norm, LigerRMSNormFunction, norm)
                 patched.append(norm)
-            layer.mlp.forward = functools.partial(_swiglu_mlp, layer.mlp)
+            layer.mlp.forward = functools.partial(_swiglu_mlp, LigerSiLUMulFunction, layer.mlp)
             patched.append(layer.mlp)
             layers += 1
         final = getattr(decoder, "norm", None)
         if layers and hasattr(final, "variance_epsilon"):
-            final.forward = functools.partial(_rms_norm, final)
+            final.forward = functools.partial(_rms_norm, LigerRMSNormFunction, final)
             patched.append(final)
         yield layers
     finally:
