@@ -140,52 +140,84 @@ def _normed_x(x_base, batch_ok, cols, col_ok, gamma, inv_rms, K, eps, NORM: tl.c
 
 
 @triton.jit
+def _weight_tile(w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset, rows, row_ok, k0, cols, col_ok, K,
+                 DENSE: tl.constexpr, NESTED: tl.constexpr, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, AS_STORED: tl.constexpr):
+    """W[rows, k0:k0 + BLOCK_K] as a [BLOCK_N, BLOCK_K] tile: float32, or a dense tile as stored (AS_STORED: a
+    tensor-core dot takes the half-precision tile as it is).
+
+    An NF4 tile is read as [BLOCK_N, BLOCK_K / 64, 32] bytes: one absmax per 64-element block (K is a multiple
+    of 64, so blocks never straddle rows), each byte's high and low nibbles interleaved back into columns, the
+    weights rounded to x's dtype as bitsandbytes' dequantize rounds them (the weights its matmul uses).
+    """
+    if DENSE:
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                    other=0.0)
+        if not AS_STORED:
+            w = w.to(tl.float32)
+    else:
+        groups = tl.arange(0, BLOCK_K // 64)  # 64: QUANT_BLOCK (a plain global cannot enter a Triton function)
+        in_group = tl.arange(0, 32)
+        blocks_per_row = K // 64
+        block = k0 // 64 + groups
+        scale_index = rows[:, None].to(tl.int64) * blocks_per_row + block[None, :]  # [BLOCK_N, GROUPS]
+        scale_ok = row_ok[:, None] & (block < blocks_per_row)[None, :]
+        if NESTED:
+            quantized = tl.load(absmax_ptr + scale_index, mask=scale_ok, other=0).to(tl.int32)
+            scale = tl.load(code2_ptr + quantized) * tl.load(absmax2_ptr + scale_index // 256,
+                                                             mask=scale_ok, other=0.0) + offset
+        else:
+            scale = tl.load(absmax_ptr + scale_index, mask=scale_ok, other=0.0)
+        packed = tl.load(w_ptr + scale_index[:, :, None] * 32 + in_group[None, None, :],
+                         mask=scale_ok[:, :, None], other=0).to(tl.int32)
+        high = round_to_dtype(tl.load(code_ptr + (packed >> 4)) * scale[:, :, None], DTYPE)
+        low = round_to_dtype(tl.load(code_ptr + (packed & 15)) * scale[:, :, None], DTYPE)
+        w = tl.reshape(tl.interleave(high, low), (BLOCK_N, BLOCK_K))
+    return w
+
+
+@triton.jit
 def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
           a_ptr, b_ptr, r, batch, stride_xa, rows, N, K,
           eps, DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
           DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr):
+          BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
+          WAIT_IN_LOOP: tl.constexpr):
     """norm(x) @ W[rows].T + (norm(x) @ A.T) @ B[rows].T for BLOCK_B rows of x, float32 [BLOCK_B, BLOCK_N].
     LORA 1: norm(x) @ A.T along K beside the product, in every program; 2: read from `_lora_down`'s output.
+    SWAP: the weight tile is the dot's left operand (`_tile_swapped`). `inv_rms`: as `_normed_x` takes it."""
+    if SWAP:
+        acc = _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr,
+                            offset, a_ptr, b_ptr, r, batch, stride_xa, rows, N, K, eps, DENSE, NESTED, NORM, LORA,
+                            DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL and WAIT_IN_LOOP)
+    else:
+        acc = _tile_rows(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr,
+                         offset, a_ptr, b_ptr, r, batch, stride_xa, rows, N, K, eps, DENSE, NESTED, NORM, LORA,
+                         DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL)
+    return acc
 
-    An NF4 tile is read as [BLOCK_N, BLOCK_K / 64, 32] bytes: one absmax per 64-element block (K is a multiple
-    of 64, so blocks never straddle rows), each byte's high and low nibbles interleaved back into columns.
+
+@triton.jit
+def _tile_rows(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
+               a_ptr, b_ptr, r, batch, stride_xa, rows, N, K,
+               eps, DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
+               DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr):
+    """`_tile` with x as the left operand: x [BLOCK_B, BLOCK_K] times the weight tile transposed.
+
     Each step loads its weight tile before x, so under PDL (broadcast products) the first one is read before the
-    wait; dot loops wait before the loop (`_project`), since Triton pipelines their loads ahead. `inv_rms`:
-    as `_normed_x` takes it.
+    wait; dot loops wait before the loop (`_project`), since Triton pipelines their loads ahead.
     """
     ks = tl.arange(0, BLOCK_K)
-    groups = tl.arange(0, BLOCK_K // 64)  # 64: QUANT_BLOCK (a plain global cannot enter a Triton function)
-    in_group = tl.arange(0, 32)
     ranks = tl.arange(0, BLOCK_R)
     row_ok = rows < N
-    blocks_per_row = K // 64
     acc = tl.zeros((BLOCK_B, BLOCK_N), dtype=tl.float32)
     xa = tl.zeros((BLOCK_B, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + ks
         col_ok = cols < K
-        if DENSE:
-            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                        other=0.0)
-            if PRODUCT != 1:  # a tensor-core dot takes the half-precision tile as it is
-                w = w.to(tl.float32)
-        else:
-            block = k0 // 64 + groups
-            scale_index = rows[:, None].to(tl.int64) * blocks_per_row + block[None, :]  # [BLOCK_N, GROUPS]
-            scale_ok = row_ok[:, None] & (block < blocks_per_row)[None, :]
-            if NESTED:
-                quantized = tl.load(absmax_ptr + scale_index, mask=scale_ok, other=0).to(tl.int32)
-                scale = tl.load(code2_ptr + quantized) * tl.load(absmax2_ptr + scale_index // 256,
-                                                                 mask=scale_ok, other=0.0) + offset
-            else:
-                scale = tl.load(absmax_ptr + scale_index, mask=scale_ok, other=0.0)
-            packed = tl.load(w_ptr + scale_index[:, :, None] * 32 + in_group[None, None, :],
-                             mask=scale_ok[:, :, None], other=0).to(tl.int32)
-            # Rounded to x's dtype as bitsandbytes' dequantize rounds them: the weights its matmul uses.
-            high = round_to_dtype(tl.load(code_ptr + (packed >> 4)) * scale[:, :, None], DTYPE)
-            low = round_to_dtype(tl.load(code_ptr + (packed & 15)) * scale[:, :, None], DTYPE)
-            w = tl.reshape(tl.interleave(high, low), (BLOCK_N, BLOCK_K))
+        w = _weight_tile(w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset, rows, row_ok, k0, cols,
+                         col_ok, K, DENSE, NESTED, DTYPE, BLOCK_N, BLOCK_K, PRODUCT == 1)
         if LORA == 1:  # A is [r, K]
             a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=(ranks[:, None] < r) & col_ok[None, :],
                         other=0.0)
@@ -208,6 +240,61 @@ def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, c
                          other=0.0).to(tl.float32)
         acc += _product(xa, b_tile, 0 if PRODUCT == 1 else PRODUCT, DTYPE)
     return acc
+
+
+@triton.jit
+def _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
+                  a_ptr, b_ptr, r, batch, stride_xa, rows, N, K,
+                  eps, DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
+                  DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, WAIT_HERE: tl.constexpr):
+    """`_tile` with the weight tile as the left operand: W[rows] [BLOCK_N, BLOCK_K] times x transposed
+    [BLOCK_K, BLOCK_B], accumulated as [BLOCK_N, BLOCK_B] and transposed once at the end.
+
+    A few rows of x against many of W: the dot's M (64 rows on Hopper's warpgroup MMA) is the weights', not
+    x's padded to 16, so one program takes a wide weight tile and x rides along as the narrow operand. With
+    LORA 1, A's r rows are a second small dot against the same x tile, read from L2 by every program (A is
+    r / BLOCK_N of the weight tile's bytes) instead of a `_lora_down` launch. PRODUCT 1: half-precision
+    operands, float32 accumulator; 0: float32 dots (Triton's interpreter, float32 models). WAIT_HERE (PDL
+    without software pipelining): wait for the kernel before after the first weight tile is loaded, so that
+    its read overlaps the predecessor's tail, as the broadcast tiles do.
+    """
+    ks = tl.arange(0, BLOCK_K)
+    ranks = tl.arange(0, BLOCK_R)
+    row_ok = rows < N
+    acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
+    xa = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + ks
+        col_ok = cols < K
+        w = _weight_tile(w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset, rows, row_ok, k0, cols,
+                         col_ok, K, DENSE, NESTED, DTYPE, BLOCK_N, BLOCK_K, PRODUCT == 1)
+        gamma = 1.0
+        if NORM:
+            gamma = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if WAIT_HERE:
+            gdc_wait()
+        x = tl.trans(_normed_x(x_base, batch_ok, cols, col_ok, gamma, inv_rms, K, eps, NORM, BLOCK_K, DTYPE))
+        if LORA == 1:
+            a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=(ranks[:, None] < r) & col_ok[None, :],
+                        other=0.0)
+        if PRODUCT == 1:
+            half = tl.bfloat16 if DTYPE == 0 else tl.float16
+            acc = tl.dot(w.to(half), x.to(half), acc)
+            if LORA == 1:
+                xa = tl.dot(a.to(half), x.to(half), xa)
+        else:
+            acc = tl.dot(w.to(tl.float32), x, acc, input_precision="ieee")
+            if LORA == 1:
+                xa = tl.dot(a.to(tl.float32), x, xa, input_precision="ieee")
+    if LORA == 2:
+        xa = tl.load(a_ptr + batch[None, :].to(tl.int64) * stride_xa + ranks[:, None],
+                     mask=batch_ok[None, :] & (ranks[:, None] < r), other=0.0)
+    if LORA > 0:  # B is [N, r], scaled by alpha / r
+        b_tile = tl.load(b_ptr + rows[:, None] * r + ranks[None, :], mask=row_ok[:, None] & (ranks[None, :] < r),
+                         other=0.0).to(tl.float32)
+        acc = tl.dot(b_tile, xa, acc, input_precision="ieee")
+    return tl.trans(acc)
 
 
 @triton.jit
@@ -263,11 +350,12 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
              PARTS: tl.constexpr, SILU_MUL: tl.constexpr, DENSE: tl.constexpr, NESTED: tl.constexpr,
              NORM: tl.constexpr, LORA: tl.constexpr, RESIDUAL: tl.constexpr, DTYPE: tl.constexpr,
              BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-             PRODUCT: tl.constexpr, PDL: tl.constexpr):
+             PRODUCT: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
+          WAIT_IN_LOOP: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
-        if PRODUCT != 2:  # dot loops are software-pipelined: their first loads of x would move above a wait inside
-            gdc_wait()
+        if PRODUCT != 2 and not WAIT_IN_LOOP:  # pipelined dot loops would move their first loads of x above a
+            gdc_wait()  # wait inside the loop
     block = tl.program_id(0)
     batch = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     batch_ok = batch < B
@@ -283,10 +371,10 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
         rows = block * BLOCK_N + local
         gate = round_to_dtype(_tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr,
                             offset0, a0, b0, r, batch, stride_xa, rows, n0, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N,
-                            BLOCK_K, BLOCK_R, PRODUCT, PDL), DTYPE)
+                            BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP), DTYPE)
         up = round_to_dtype(_tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr, code2_ptr, offset1,
                           a1, b1, r, batch, stride_xa, rows, n1, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K,
-                          BLOCK_R, PRODUCT, PDL), DTYPE)
+                          BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP), DTYPE)
         acc = round_to_dtype(gate / (1.0 + tl.exp(-gate)), DTYPE) * up
         _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, rows < n0, residual_ptr, stride_rb, RESIDUAL)
     else:  # the parts side by side: this program's rows lie in one of them
@@ -296,7 +384,7 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
             rows = block * BLOCK_N + local
             acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr, offset0,
                         a0, b0, r, batch, stride_xa, rows, n0, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R,
-                        PRODUCT, PDL)
+                        PRODUCT, PDL, SWAP, WAIT_IN_LOOP)
             _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, rows < n0, residual_ptr, stride_rb, RESIDUAL)
         else:
             if PARTS > 1:
@@ -304,7 +392,7 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
                     rows = (block - blocks0) * BLOCK_N + local
                     acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr, code2_ptr,
                                 offset1, a1, b1, r, batch, stride_xa, rows, n1, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N,
-                                BLOCK_K, BLOCK_R, PRODUCT, PDL)
+                                BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP)
                     _store(acc, y_ptr, stride_yb, batch, batch_ok, n0 + rows, rows < n1, residual_ptr, stride_rb,
                            RESIDUAL)
                 else:
@@ -312,7 +400,7 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
                         rows = (block - blocks0 - blocks1) * BLOCK_N + local
                         acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w2, absmax2, absmax2_2, code_ptr, code2_ptr,
                                     offset2, a2, b2, r, batch, stride_xa, rows, n2, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B,
-                                    BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL)
+                                    BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP)
                         _store(acc, y_ptr, stride_yb, batch, batch_ok, n0 + n1 + rows, rows < n2, residual_ptr,
                                stride_rb, RESIDUAL)
 
@@ -387,7 +475,8 @@ def tile_config(batch: int, on_gpu: bool, dense: bool = False) -> tuple[int, int
 def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
             residual: torch.Tensor | None = None, silu_mul: bool = False, block_n: int | None = None,
             block_k: int | None = None, product: int | None = None, num_warps: int = 4,
-            num_stages: int | None = None, lora_a_stacked: torch.Tensor | None = None) -> torch.Tensor:
+            num_stages: int | None = None, lora_a_stacked: torch.Tensor | None = None,
+            swap: bool = False) -> torch.Tensor:
     """norm(x) through 1-3 weights of one kind: side by side -> [B, sum N] (+ residual), or with `silu_mul`
     (two weights, gate then up) SiLU(gate) * up -> [B, N].
 
@@ -395,7 +484,8 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     `product`, `block_n`, `block_k`: how the tiles multiply (`_product`) and their size; by default
     `tile_config`'s choice for the batch; `lora_a_stacked`: the weights' A matrices stacked [len * r, K]
     (`stack_lora_a`), so that norm(x) @ A.T is computed once for the launch (`_lora_down`, one more launch)
-    rather than in every program beside its weight tile.
+    rather than in every program beside its weight tile; `swap`: the weight tile as the dots' left operand
+    (`_tile_swapped`; a dot product, 0 or 1).
     """
     k = weights[0].k
     default = tile_config(x.shape[0], x.is_cuda, weights[0].dense)
@@ -405,6 +495,8 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     block_k = min(block_k, max(QUANT_BLOCK, triton.next_power_of_2(k)))  # no tile wider than K needs
     if block_k % QUANT_BLOCK or block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two multiple of {QUANT_BLOCK}; got {block_k}")
+    if swap and product not in (PRODUCT_DOT32, PRODUCT_TENSOR_CORE):
+        raise ValueError(f"swap takes a dot product ({PRODUCT_DOT32} or {PRODUCT_TENSOR_CORE}); got {product}")
     if not 1 <= len(weights) <= 3 or (silu_mul and len(weights) != 2):
         raise ValueError(f"project takes 1-3 weights (2 with silu_mul); got {len(weights)}")
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
@@ -444,10 +536,13 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
                              f"[{len(weights) * rank}, {k}]; got {tuple(lora_a_stacked.shape)}")
         stride_xa = lora_a_stacked.shape[0]
         xa = torch.empty((batch, stride_xa), dtype=torch.float32, device=x.device)
-        down_b = min(triton.next_power_of_2(batch), 16)
-        _lora_down[(triton.cdiv(stride_xa, 16), triton.cdiv(batch, down_b))](
+        # On a GPU one row of x and 8 ranks a program: with all rows in a program its broadcast products
+        # took ~75 us a launch at 8 rows (benchmarks/results/decode_step_sweep_h200.md); the interpreter
+        # takes the fewest programs.
+        down_b, down_r = (1, 8) if x.is_cuda else (min(triton.next_power_of_2(batch), 16), 16)
+        _lora_down[(triton.cdiv(stride_xa, down_r), triton.cdiv(batch, down_b))](
             x, x.stride(0), batch, k, norm_weight if norm_weight is not None else x, eps, lora_a_stacked, stride_xa,
-            xa, NORM=norm_weight is not None, DTYPE=dtype_code(x.dtype), BLOCK_B=down_b, BLOCK_R=16,
+            xa, NORM=norm_weight is not None, DTYPE=dtype_code(x.dtype), BLOCK_B=down_b, BLOCK_R=down_r,
             BLOCK_K=block_k, **options)
         lora, a_of = 2, [xa[:, i * rank:] for i in range(len(weights))]  # each weight's columns of xa
 
@@ -469,7 +564,7 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
         PARTS=len(weights), SILU_MUL=silu_mul, DENSE=first.dense, NESTED=first.nested, NORM=norm_weight is not None,
         LORA=lora, RESIDUAL=residual is not None, DTYPE=dtype_code(x.dtype),
         BLOCK_B=block_b, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, triton.next_power_of_2(max(rank, 1))),
-        PRODUCT=product, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+        PRODUCT=product, SWAP=swap, WAIT_IN_LOOP=swap and num_stages == 1, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
         **options)
     return y
 

@@ -21,6 +21,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # How the tiles multiply (decode_projection._product): float32 dots, broadcast sums, and on a GPU tensor-core
 # dots (Triton's interpreter has none).
 PRODUCTS = [0, 2] + ([1] if DEVICE == "cuda" else [])
+DOT_PRODUCTS = [p for p in PRODUCTS if p != 2]  # what the swapped tiles (weights as the left operand) take
 
 
 def draw(gen, *shape, s=1.0):
@@ -82,14 +83,15 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("kind", ["nf4", "nf4-single", "dense"])
 @pytest.mark.parametrize("product", PRODUCTS)
 @pytest.mark.parametrize("batch", [1, 5, 17])  # one row, a ragged tile, two batch tiles
-def test_three_weights_side_by_side_with_norm(kind: str, product: int, batch: int, stacked: bool = False):
+def test_three_weights_side_by_side_with_norm(kind: str, product: int, batch: int, stacked: bool = False,
+                                               swap: bool = False):
     gen = torch.Generator().manual_seed(batch)
     k, eps = 192, 1e-6
     parts = [make(kind, n, k, 8, gen) for n in (96, 40, 40)]  # q, k, v: ragged widths, tiles straddle parts
     x, gamma = draw(gen, batch, k, s=3.0), draw(gen, k, s=0.5)
     weights = [w for w, *_ in parts]
     y = project(x, weights, norm_weight=gamma, eps=eps, product=product, block_n=32, block_k=64,
-                lora_a_stacked=stack_lora_a(weights) if stacked else None)
+                lora_a_stacked=stack_lora_a(weights) if stacked else None, swap=swap)
     assert y.shape == (batch, 176) and y.dtype == torch.bfloat16
     x64 = normed64(x, gamma, eps)
     want = torch.cat([linear64(x64, used, a, b) for _, used, a, b in parts], dim=1)
@@ -108,13 +110,13 @@ def test_x_times_a_once_per_launch_is_the_same_projection(kind: str, batch: int)
 @pytest.mark.parametrize("kind", ["nf4", "dense"])
 @pytest.mark.parametrize("product", PRODUCTS)
 @pytest.mark.parametrize("stacked", [False, True], ids=["a-per-program", "a-once"])
-def test_gate_up_silu_mul_and_residual(kind: str, product: int, stacked: bool):
+def test_gate_up_silu_mul_and_residual(kind: str, product: int, stacked: bool, swap: bool = False):
     gen = torch.Generator().manual_seed(3)
     batch, k, n, eps = 3, 128, 192, 1e-6
     (gate, g64, ga, gb), (up, u64, ua, ub) = make(kind, n, k, 4, gen), make(kind, n, k, 4, gen)
     x, gamma = draw(gen, batch, k, s=2.0), draw(gen, k, s=0.5)
     y = project(x, [gate, up], norm_weight=gamma, eps=eps, silu_mul=True, product=product, block_n=32, block_k=64,
-                lora_a_stacked=stack_lora_a([gate, up]) if stacked else None)
+                lora_a_stacked=stack_lora_a([gate, up]) if stacked else None, swap=swap)
     x64 = normed64(x, gamma, eps)
     g, u = linear64(x64, g64, ga, gb), linear64(x64, u64, ua, ub)
     assert rel(y, g * torch.sigmoid(g) * u) <= 1e-2  # gate, up and SiLU each rounded to bf16, as the modules do
@@ -122,10 +124,26 @@ def test_gate_up_silu_mul_and_residual(kind: str, product: int, stacked: bool):
     down, d64, da, db = make(kind, 48, n, 4, gen)
     residual = draw(gen, batch, 48, s=2.0)
     z = project(y, [down], residual=residual, product=product, block_n=16, block_k=64,
-                lora_a_stacked=stack_lora_a([down]) if stacked else None)
+                lora_a_stacked=stack_lora_a([down]) if stacked else None, swap=swap)
     want = residual.double().cpu() + linear64(y.double().cpu(), d64, da, db)
     assert rel(z, want) <= 4e-3
     assert rel(z, want - residual.double().cpu()) > 0.1
+
+
+@pytest.mark.parametrize("kind", ["nf4", "nf4-single", "dense"])
+@pytest.mark.parametrize("product", DOT_PRODUCTS)
+@pytest.mark.parametrize("batch", [1, 5, 17])
+@pytest.mark.parametrize("stacked", [False, True], ids=["a-per-program", "a-once"])
+def test_swapped_tiles_are_the_same_projection(kind: str, product: int, batch: int, stacked: bool):
+    """swap: the weight tile as the dots' left operand, x transposed, accumulated [N, B] and transposed back."""
+    test_three_weights_side_by_side_with_norm(kind, product, batch, stacked=stacked, swap=True)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "dense"])
+@pytest.mark.parametrize("product", DOT_PRODUCTS)
+@pytest.mark.parametrize("stacked", [False, True], ids=["a-per-program", "a-once"])
+def test_swapped_tiles_silu_mul_and_residual(kind: str, product: int, stacked: bool):
+    test_gate_up_silu_mul_and_residual(kind, product, stacked, swap=True)
 
 
 def test_refuses_mixed_launches():
@@ -141,3 +159,5 @@ def test_refuses_mixed_launches():
         project(draw(gen, 2, 32), [nf4])
     with pytest.raises(ValueError, match="in_features a multiple of 64; got 80"):
         make("nf4", 32, 80, 4, gen)
+    with pytest.raises(ValueError, match="swap takes a dot product"):
+        project(x, [nf4], product=2, swap=True)

@@ -1,0 +1,147 @@
+"""The whole kernel decode step at each tile configuration of its projections: one replayed CUDA graph each.
+
+    python benchmarks/decode_step_sweep.py --out benchmarks/results/decode_step_sweep_h200.json
+
+`decode_kernels_bench.py` times one launch at a time, back to back on the
+same weights, so its figures are L2-warm and leave out what the launches do
+to each other; this times the step itself (`StaticDecoder(kernels=True)`,
+Qwen3-0.6B's shape, random weights, LoRA r16 on all seven projections, 128
+prompt tokens) with every projection launch of the step taking one variant's
+options (`decode_projection.project`'s product, swap, tile, stages, warps,
+and whether x @ A.T is one `_lora_down` launch or done in every program).
+Each row also records the greedy tokens' common prefix with the first variant
+(the engine's default) over `--new-tokens` steps. Rows are written as they come.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from miniverl.engine.core.device import environment
+from miniverl.engine.core.recipe import LoraSpec
+from miniverl.engine.models.loading import attach_lora, load_causal_lm
+from miniverl.engine.rollout import fused_step
+from miniverl.engine.rollout.cuda_graph import StaticDecoder
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rollout_bench import common_prefix, copy_bandwidth, engine_generate, replay_ms, save_qwen3_0_6b, step_bytes  # noqa: E402
+
+# name: project() options for every projection launch of the step; "once": keep the `_lora_down` launch;
+# "module": the module-by-module step (no kernels), for reference. num_stages 1 with swap: PDL's wait after the
+# first weight tile (decode_projection._tile_swapped).
+VARIANTS = {
+    "default": {"once": True},
+    "module": {"kernels": False},
+    "swap_64x128_s3": {"product": 1, "swap": True, "block_n": 64, "block_k": 128, "num_stages": 3},
+    "swap_64x256_s3": {"product": 1, "swap": True, "block_n": 64, "block_k": 256, "num_stages": 3},
+    "swap_32x256_s3": {"product": 1, "swap": True, "block_n": 32, "block_k": 256, "num_stages": 3},
+    "swap_32x128_s4": {"product": 1, "swap": True, "block_n": 32, "block_k": 128, "num_stages": 4},
+    "swap_128x128_s3": {"product": 1, "swap": True, "block_n": 128, "block_k": 128, "num_stages": 3},
+    "swap_64x128_s4_w8": {"product": 1, "swap": True, "block_n": 64, "block_k": 128, "num_stages": 4,
+                          "num_warps": 8},
+    "swap_16x256_s3": {"product": 1, "swap": True, "block_n": 16, "block_k": 256, "num_stages": 3},
+    "swap_64x128_s3_once": {"product": 1, "swap": True, "block_n": 64, "block_k": 128, "num_stages": 3,
+                            "once": True},
+    "swap_32x256_s3_once": {"product": 1, "swap": True, "block_n": 32, "block_k": 256, "num_stages": 3,
+                            "once": True},
+    "swap_16x1024_s1": {"product": 1, "swap": True, "block_n": 16, "block_k": 1024, "num_stages": 1},
+    "swap_16x512_s1": {"product": 1, "swap": True, "block_n": 16, "block_k": 512, "num_stages": 1},
+    "swap_32x512_s1": {"product": 1, "swap": True, "block_n": 32, "block_k": 512, "num_stages": 1},
+    "swap_16x1024_s1_once": {"product": 1, "swap": True, "block_n": 16, "block_k": 1024, "num_stages": 1,
+                             "once": True},
+    "swap_16x1024_s1_w8": {"product": 1, "swap": True, "block_n": 16, "block_k": 1024, "num_stages": 1,
+                           "num_warps": 8},
+}
+DEFAULT_VARIANTS = ["default", "module", "swap_32x256_s3", "swap_16x256_s3", "swap_16x1024_s1", "swap_16x512_s1",
+                    "swap_32x512_s1", "swap_16x1024_s1_once", "swap_16x1024_s1_w8"]
+
+
+def patched_project(original, options: dict):
+    """fused_step's `project` with the variant's options on every launch (per-launch arguments kept)."""
+    options = dict(options)
+    once = options.pop("once", False)
+
+    def project(x, weights, *, lora_a_stacked=None, **kwargs):
+        return original(x, weights, lora_a_stacked=lora_a_stacked if once else None, **kwargs, **options)
+    return project
+
+
+def bench(model, label: str, slots: int, variants: list[str], args, bandwidth: float, dense_copy: bool) -> list[dict]:
+    gen = torch.Generator().manual_seed(slots)
+    prompts = torch.randint(0, 151936, (slots, args.prompt_tokens), generator=gen).tolist()
+    bytes_step = step_bytes(model, slots, args.prompt_tokens + args.new_tokens / 2)
+    original, rows, reference = fused_step.project, [], None
+    for name in variants:
+        row = {"weights": label, "slots": slots, "variant": name, "options": VARIANTS[name]}
+        options = dict(VARIANTS[name])
+        kernels = options.pop("kernels", True)
+        fused_step.project = patched_project(original, options)
+        try:
+            start = time.perf_counter()
+            decoder = StaticDecoder(model, slots, args.prompt_tokens + args.new_tokens, use_graph=True,
+                                    kernels=kernels, dense_copy=dense_copy)
+            engine_generate(decoder, prompts, 4)  # compile and capture
+            row["setup_s"] = time.perf_counter() - start
+            tokens = engine_generate(decoder, prompts, args.new_tokens)
+            row["mode"] = decoder.mode
+            row["step_ms"] = statistics.median(replay_ms(decoder) for _ in range(5))
+            row["bw_fraction"] = bytes_step / (row["step_ms"] / 1e3) / bandwidth
+            if reference is None:
+                reference = tokens
+            row["greedy_common_prefix_mean"] = statistics.mean(
+                common_prefix(a, b) for a, b in zip(reference, tokens))
+            del decoder
+        except Exception as exc:  # noqa: BLE001 - keep the other variants
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        finally:
+            fused_step.project = original
+            torch.cuda.empty_cache()
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--slots", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--weights", nargs="+", default=["bf16", "nf4", "nf4_dense_copy"])
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
+    parser.add_argument("--lora-rank", type=int, default=16)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_step_sweep needs a CUDA device")
+    result = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+              "machine": {"host": platform.node(), **environment()},
+              "copy_bandwidth_TBps": copy_bandwidth() / 1e12, "rows": []}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_qwen3_0_6b(Path(tmp), seed=0)
+        models = {}
+        for label in args.weights:
+            nf4 = label.startswith("nf4")
+            if nf4 not in models:
+                models.clear()
+                torch.cuda.empty_cache()
+                models[nf4] = attach_lora(load_causal_lm(Path(tmp), torch.bfloat16, "cuda", nf4=nf4),
+                                          LoraSpec(r=args.lora_rank, alpha=2.0 * args.lora_rank), seed=0)
+            for slots in args.slots:
+                result["rows"] += bench(models[nf4], label, slots, args.variants, args,
+                                        result["copy_bandwidth_TBps"] * 1e12, dense_copy=label.endswith("dense_copy"))
+                args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
