@@ -40,7 +40,9 @@ from rollout_bench import common_prefix, copy_bandwidth, engine_generate, replay
 # "module": the module-by-module step (no kernels), for reference. num_stages 1 with swap: PDL's wait after the
 # first weight tile (decode_projection._tile_swapped).
 VARIANTS = {
-    "default": {"once": True},
+    "default": {},  # tile_config's choice for each launch
+    "broadcast_8x1024_once": {"product": 2, "block_n": 8, "block_k": 1024, "once": True},
+    "tc_16x256_once": {"product": 1, "block_n": 16, "block_k": 256, "once": True},
     "module": {"kernels": False},
     "swap_64x128_s3": {"product": 1, "swap": True, "block_n": 64, "block_k": 128, "num_stages": 3},
     "swap_64x256_s3": {"product": 1, "swap": True, "block_n": 64, "block_k": 256, "num_stages": 3},
@@ -62,17 +64,20 @@ VARIANTS = {
     "swap_16x1024_s1_w8": {"product": 1, "swap": True, "block_n": 16, "block_k": 1024, "num_stages": 1,
                            "num_warps": 8},
 }
-DEFAULT_VARIANTS = ["default", "module", "swap_32x256_s3", "swap_16x256_s3", "swap_16x1024_s1", "swap_16x512_s1",
-                    "swap_32x512_s1", "swap_16x1024_s1_once", "swap_16x1024_s1_w8"]
+DEFAULT_VARIANTS = ["default", "module", "broadcast_8x1024_once", "tc_16x256_once", "swap_32x256_s3",
+                    "swap_16x256_s3", "swap_64x256_s3", "swap_16x512_s1"]
 
 
 def patched_project(original, options: dict):
-    """fused_step's `project` with the variant's options on every launch (per-launch arguments kept)."""
+    """fused_step's `project` with the variant's options on every launch (per-launch arguments kept); a
+    variant that names its tiles computes x @ A.T in every program unless it says `once`."""
     options = dict(options)
-    once = options.pop("once", False)
+    if options:
+        options["a_per_program"] = not options.pop("once", False)
+        options.setdefault("swap", False)
 
-    def project(x, weights, *, lora_a_stacked=None, **kwargs):
-        return original(x, weights, lora_a_stacked=lora_a_stacked if once else None, **kwargs, **options)
+    def project(x, weights, **kwargs):
+        return original(x, weights, **kwargs, **options)
     return project
 
 

@@ -52,7 +52,6 @@ except ImportError:  # pragma: no cover - an older Triton: the kernels launch wi
 QUANT_BLOCK = 64  # elements per absmax: the only NF4 block size read here
 NESTED_BLOCK = 256  # absmaxes per second-level scale (bitsandbytes' double quantization)
 PRODUCT_DOT32, PRODUCT_TENSOR_CORE, PRODUCT_BROADCAST = 0, 1, 2
-DENSE_TENSOR_CORE_TILE = (16, 256)  # (block_n, block_k) over dense weights: results/decode_kernels_h200_dense_tc8.json
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -458,40 +457,62 @@ class Weight:
                    offset=float(state.offset) if nested else 0.0, nested=nested, lora_a=lora_a, lora_b=lora_b)
 
 
-def tile_config(batch: int, on_gpu: bool, dense: bool = False) -> tuple[int, int, int]:
-    """(product, block_n, block_k) for a launch over `batch` rows of x, from the H200 sweeps
-    (benchmarks/decode_kernels_bench.py): NF4 up to 8 rows, broadcast sums over 8-row weight tiles 1024 wide
-    (many programs, no 16-row dot minimum); dense weights from 2 rows, and any weights past 8, tensor-core dots
-    (the 16-row minimum costs nothing when the weights, not x, are the bytes read)."""
+@dataclass(frozen=True)
+class Tiles:
+    """How one `project` launch multiplies: `_product`'s kind, the tile, whether the weight tile is the dots'
+    left operand (`_tile_swapped`), Triton's pipelining stages (None: its default), and whether norm(x) @ A.T
+    is computed in every program beside its weight tile rather than once by `_lora_down`."""
+    product: int
+    block_n: int
+    block_k: int
+    swap: bool = False
+    num_stages: int | None = None
+    a_per_program: bool = False
+
+
+def tile_config(batch: int, on_gpu: bool, dense: bool = False) -> Tiles:
+    """The tiles for a launch over `batch` rows of x, from the whole replayed step on one H200
+    (benchmarks/results/decode_step_sweep_h200.md): NF4 up to 8 rows, and any weights at one row, broadcast
+    sums over 8-row weight tiles 1024 wide (many programs, each weight load issued before the wait on the
+    previous launch); dense weights from 2 rows, swapped tensor-core tiles 32 x 256 over 3 stages with x @ A.T
+    in every program (2.36 ms against 3.45 for the unswapped tiles and 2.78 for the module step at 8 bf16
+    rows); past 8 rows tensor-core tiles."""
     if not on_gpu:  # Triton's interpreter runs programs one by one in Python: the fewest, largest tiles
-        return PRODUCT_DOT32, 64, 1024
+        return Tiles(PRODUCT_DOT32, 64, 1024)
     if dense and batch > 1:
-        return PRODUCT_TENSOR_CORE, DENSE_TENSOR_CORE_TILE[0], DENSE_TENSOR_CORE_TILE[1]
+        return Tiles(PRODUCT_TENSOR_CORE, 32, 256, swap=True, num_stages=3, a_per_program=True)
     if batch <= 8:
-        return PRODUCT_BROADCAST, 8, 1024
-    return PRODUCT_TENSOR_CORE, 32, 256
+        return Tiles(PRODUCT_BROADCAST, 8, 1024)
+    return Tiles(PRODUCT_TENSOR_CORE, 32, 256)
 
 
 def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
             residual: torch.Tensor | None = None, silu_mul: bool = False, block_n: int | None = None,
             block_k: int | None = None, product: int | None = None, num_warps: int = 4,
             num_stages: int | None = None, lora_a_stacked: torch.Tensor | None = None,
-            swap: bool = False) -> torch.Tensor:
+            swap: bool | None = None, a_per_program: bool | None = None) -> torch.Tensor:
     """norm(x) through 1-3 weights of one kind: side by side -> [B, sum N] (+ residual), or with `silu_mul`
     (two weights, gate then up) SiLU(gate) * up -> [B, N].
 
     `norm_weight`: an RMSNorm of x first (float32 statistics, as Qwen3's); `residual`: [B, N] added at the end;
     `product`, `block_n`, `block_k`: how the tiles multiply (`_product`) and their size; by default
-    `tile_config`'s choice for the batch; `lora_a_stacked`: the weights' A matrices stacked [len * r, K]
-    (`stack_lora_a`), so that norm(x) @ A.T is computed once for the launch (`_lora_down`, one more launch)
-    rather than in every program beside its weight tile; `swap`: the weight tile as the dots' left operand
-    (`_tile_swapped`; a dot product, 0 or 1).
+    `swap`, `num_stages`: as `Tiles`; each left None takes `tile_config`'s choice for the batch.
+    `lora_a_stacked`: the weights' A matrices stacked [len * r, K] (`stack_lora_a`), so that norm(x) @ A.T can
+    be computed once for the launch (`_lora_down`, one more launch); `a_per_program` (None: the tiles' choice)
+    computes it in every program beside its weight tile instead, as it is without `lora_a_stacked`.
     """
     k = weights[0].k
     default = tile_config(x.shape[0], x.is_cuda, weights[0].dense)
-    product = default[0] if product is None else product
-    block_n = default[1] if block_n is None else block_n
-    block_k = default[2] if block_k is None else block_k
+    if product is not None:  # a caller naming its product names its tiles: no swap, stages or A per program implied
+        default = Tiles(product, default.block_n, default.block_k)
+    product = default.product if product is None else product
+    block_n = default.block_n if block_n is None else block_n
+    block_k = default.block_k if block_k is None else block_k
+    swap = default.swap if swap is None else swap
+    num_stages = default.num_stages if num_stages is None else num_stages
+    a_per_program = default.a_per_program if a_per_program is None else a_per_program
+    if a_per_program:
+        lora_a_stacked = None
     block_k = min(block_k, max(QUANT_BLOCK, triton.next_power_of_2(k)))  # no tile wider than K needs
     if block_k % QUANT_BLOCK or block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two multiple of {QUANT_BLOCK}; got {block_k}")
@@ -564,8 +585,8 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
         PARTS=len(weights), SILU_MUL=silu_mul, DENSE=first.dense, NESTED=first.nested, NORM=norm_weight is not None,
         LORA=lora, RESIDUAL=residual is not None, DTYPE=dtype_code(x.dtype),
         BLOCK_B=block_b, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, triton.next_power_of_2(max(rank, 1))),
-        PRODUCT=product, SWAP=swap, WAIT_IN_LOOP=swap and num_stages == 1, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
-        **options)
+        PRODUCT=product, SWAP=swap, WAIT_IN_LOOP=swap and num_stages == 1, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}), **options)
     return y
 
 

@@ -14,12 +14,14 @@ runs them. The bases are NF4 (bitsandbytes, read in place) or bf16/fp16/fp32
 linears, each with one plain LoRA adapter or none (all seven alike).
 
 Where it is faster (`AUTO_MAX_SLOTS`, from the replayed step on one H200 at
-Qwen3-0.6B's shape with LoRA r16, benchmarks/results/decode_kernels_h200_session4.md):
-NF4 1.73 ms against the module step's 3.58 at one slot, slower at eight (5.5
-against 4.7); bf16 1.26 against 2.57 at one slot, slower at eight. With
-`rollout.dense_copy` (more than one sequence, the adapter merged into the
-copy) the module step on the copy is the faster at eight (1.97 against 2.09),
-so `auto` counts the copy as dense weights. The Triton launches use
+Qwen3-0.6B's shape with LoRA r16, benchmarks/results/decode_step_sweep_h200.md):
+NF4 1.71 ms against the module step's 3.56 at one slot, 3.98 against 5.09 at
+eight; bf16 1.20 against 2.57 at one slot, 2.36 against 2.78 at eight (dense
+weights past one row take swapped tensor-core tiles, `tile_config`). With
+`rollout.dense_copy` (the adapter merged into the copy) 0.82 against 2.11 at
+one slot and 1.78 against 2.14 at eight, so `auto` counts the copy as dense
+weights. Past eight slots the kernel step has not been measured against the
+module step, so `auto` keeps the module step there. The Triton launches use
 programmatic dependent launch where the GPU has it (compute capability 9 on).
 """
 
@@ -32,7 +34,7 @@ from miniverl.engine.rollout.decode_attention import decode_attention, qk_norm_r
 from miniverl.engine.rollout.decode_projection import Weight, project, stack_lora_a
 
 
-AUTO_MAX_SLOTS = {"nf4": 4, "dense": 1}  # the most slots at which `rollout.engine: auto` takes the kernel step
+AUTO_MAX_SLOTS = {"nf4": 8, "dense": 8}  # the most slots at which `rollout.engine: auto` takes the kernel step
 
 
 def auto_choice(body: torch.nn.Module, slots: int, dense_copy: bool = False) -> str | None:

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton", reason="needs Triton (the dev extra installs it)")
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
-from miniverl.engine.rollout.decode_projection import Weight, project, stack_lora_a  # noqa: E402
+from miniverl.engine.rollout.decode_projection import Weight, project, stack_lora_a, tile_config  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # How the tiles multiply (decode_projection._product): float32 dots, broadcast sums, and on a GPU tensor-core
@@ -105,6 +105,26 @@ def test_three_weights_side_by_side_with_norm(kind: str, product: int, batch: in
 def test_x_times_a_once_per_launch_is_the_same_projection(kind: str, batch: int):
     """lora_a_stacked: norm(x) @ A.T by `_lora_down` once, read by every program, against float64."""
     test_three_weights_side_by_side_with_norm(kind, PRODUCTS[0], batch, stacked=True)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "dense"])
+@pytest.mark.parametrize("batch", [1, 8, 17])
+def test_the_tiles_a_gpu_takes_are_the_same_projection(kind: str, batch: int):
+    """Each launch `tile_config` picks on a GPU (in the interpreter float32 dots for tensor-core ones), with the A
+    matrices stacked as fused_step passes them: against float64, and A per program where the tiles say so."""
+    gen = torch.Generator().manual_seed(batch)
+    k, eps = 256, 1e-6
+    parts = [make(kind, n, k, 8, gen) for n in (96, 40, 40)]
+    weights = [w for w, *_ in parts]
+    x, gamma = draw(gen, batch, k, s=3.0), draw(gen, k, s=0.5)
+    tiles = tile_config(batch, on_gpu=True, dense=kind == "dense")
+    assert tiles.swap == (kind == "dense" and batch > 1)  # swapped tensor-core tiles: dense weights past one row
+    product = tiles.product if tiles.product in PRODUCTS else 0  # the interpreter's dot for a tensor-core one
+    y = project(x, weights, norm_weight=gamma, eps=eps, product=product, block_n=tiles.block_n,
+                block_k=tiles.block_k, swap=tiles.swap, num_stages=tiles.num_stages,
+                a_per_program=tiles.a_per_program, lora_a_stacked=stack_lora_a(weights))
+    x64 = normed64(x, gamma, eps)
+    assert rel(y, torch.cat([linear64(x64, used, a, b) for _, used, a, b in parts], dim=1)) <= 4e-3
 
 
 @pytest.mark.parametrize("kind", ["nf4", "dense"])
