@@ -505,7 +505,7 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     default = tile_config(x.shape[0], x.is_cuda, weights[0].dense)
     if product is not None:  # a caller naming its product names its tiles: no swap, stages or A per program implied
         default = Tiles(product, default.block_n, default.block_k)
-    product = default.product if product is None else product
+    product = default.product
     block_n = default.block_n if block_n is None else block_n
     block_k = default.block_k if block_k is None else block_k
     swap = default.swap if swap is None else swap

@@ -14,14 +14,15 @@ runs them. The bases are NF4 (bitsandbytes, read in place) or bf16/fp16/fp32
 linears, each with one plain LoRA adapter or none (all seven alike).
 
 Where it is faster (`AUTO_MAX_SLOTS`, from the replayed step on one H200 at
-Qwen3-0.6B's shape with LoRA r16, benchmarks/results/decode_step_sweep_h200.md):
-NF4 1.71 ms against the module step's 3.56 at one slot, 3.98 against 5.09 at
-eight; bf16 1.20 against 2.57 at one slot, 2.36 against 2.78 at eight (dense
-weights past one row take swapped tensor-core tiles, `tile_config`). With
-`rollout.dense_copy` (the adapter merged into the copy) 0.82 against 2.11 at
-one slot and 1.78 against 2.14 at eight, so `auto` counts the copy as dense
-weights. Past eight slots the kernel step has not been measured against the
-module step, so `auto` keeps the module step there. The Triton launches use
+Qwen3-0.6B's shape with LoRA r16, benchmarks/results/decode_step_sweep_h200.md,
+its final table): NF4 1.60 ms against the module step's 3.57 at one slot, 3.98
+against 5.10 at eight, but 14.06 against 6.57 at 32; bf16 1.19 against 2.56 at
+one slot, 2.37 against 2.78 at eight (dense weights past one row take swapped
+tensor-core tiles, `tile_config`). With `rollout.dense_copy` (the adapter merged
+into the copy) 0.82 against 2.11 at one slot and 1.77 against 2.15 at eight, so
+`auto` counts the copy as dense weights. Dense weights were faster at 32 too
+(2.50 against 3.19), but slot counts between 8 and 32 were not measured, so
+`auto` stops at eight for both kinds. The Triton launches use
 programmatic dependent launch where the GPU has it (compute capability 9 on).
 """
 
