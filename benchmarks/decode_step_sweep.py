@@ -41,6 +41,7 @@ from rollout_bench import common_prefix, copy_bandwidth, engine_generate, replay
 # first weight tile (decode_projection._tile_swapped).
 VARIANTS = {
     "default": {},  # tile_config's choice for each launch
+    "separate_down": {"lora_sync": None},  # the default tiles, x @ A.T by a `_lora_down` launch of its own
     "broadcast_8x1024_once": {"product": 2, "block_n": 8, "block_k": 1024, "once": True},
     "tc_16x256_once": {"product": 1, "block_n": 16, "block_k": 256, "once": True},
     "module": {"kernels": False},
@@ -64,7 +65,7 @@ VARIANTS = {
     "swap_16x1024_s1_w8": {"product": 1, "swap": True, "block_n": 16, "block_k": 1024, "num_stages": 1,
                            "num_warps": 8},
 }
-DEFAULT_VARIANTS = ["default", "module", "broadcast_8x1024_once", "tc_16x256_once", "swap_32x256_s3",
+DEFAULT_VARIANTS = ["default", "module", "separate_down", "broadcast_8x1024_once", "tc_16x256_once", "swap_32x256_s3",
                     "swap_16x256_s3", "swap_64x256_s3", "swap_16x512_s1"]
 
 
@@ -72,12 +73,12 @@ def patched_project(original, options: dict):
     """fused_step's `project` with the variant's options on every launch (per-launch arguments kept); a
     variant that names its tiles computes x @ A.T in every program unless it says `once`."""
     options = dict(options)
-    if options:
+    if "product" in options:
         options["a_per_program"] = not options.pop("once", False)
         options.setdefault("swap", False)
 
     def project(x, weights, **kwargs):
-        return original(x, weights, **kwargs, **options)
+        return original(x, weights, **{**kwargs, **options})
     return project
 
 

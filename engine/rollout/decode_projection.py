@@ -177,28 +177,30 @@ def _weight_tile(w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset, ro
 
 @triton.jit
 def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
-          a_ptr, b_ptr, r, batch, stride_xa, rows, N, K,
+          a_ptr, b_ptr, r, batch, stride_xa, sync_ptr, workers, rows, N, K,
           eps, DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
           DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
           WAIT_IN_LOOP: tl.constexpr):
     """norm(x) @ W[rows].T + (norm(x) @ A.T) @ B[rows].T for BLOCK_B rows of x, float32 [BLOCK_B, BLOCK_N].
-    LORA 1: norm(x) @ A.T along K beside the product, in every program; 2: read from `_lora_down`'s output.
+    LORA 1: norm(x) @ A.T along K beside the product, in every program; 2: read from `_lora_down`'s output; 3:
+    read from what this launch's first programs publish, once `sync_ptr` counts `workers` of them.
     SWAP: the weight tile is the dot's left operand (`_tile_swapped`). `inv_rms`: as `_normed_x` takes it."""
     if SWAP:
         acc = _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr,
-                            offset, a_ptr, b_ptr, r, batch, stride_xa, rows, N, K, eps, DENSE, NESTED, NORM, LORA,
-                            DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL and WAIT_IN_LOOP)
+                            offset, a_ptr, b_ptr, r, batch, stride_xa, sync_ptr, workers, rows, N, K, eps, DENSE,
+                            NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT,
+                            PDL and WAIT_IN_LOOP)
     else:
         acc = _tile_rows(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr,
-                         offset, a_ptr, b_ptr, r, batch, stride_xa, rows, N, K, eps, DENSE, NESTED, NORM, LORA,
-                         DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL)
+                         offset, a_ptr, b_ptr, r, batch, stride_xa, sync_ptr, workers, rows, N, K, eps, DENSE,
+                         NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL)
     return acc
 
 
 @triton.jit
 def _tile_rows(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
-               a_ptr, b_ptr, r, batch, stride_xa, rows, N, K,
+               a_ptr, b_ptr, r, batch, stride_xa, sync_ptr, workers, rows, N, K,
                eps, DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
                DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr):
@@ -231,9 +233,11 @@ def _tile_rows(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_p
         acc += _product(x, w, PRODUCT, DTYPE)
         if LORA == 1:
             xa += _product(x, a, PRODUCT, DTYPE)
-    if LORA == 2:  # x @ A.T of this launch, computed once by `_lora_down`: a_ptr is this weight's first column of it
+    if LORA >= 2:  # x @ A.T of this launch, computed once: a_ptr is this weight's first column of it
+        if LORA == 3:  # by this launch's first programs, published through sync_ptr
+            _wait_for_workers(sync_ptr, workers)
         xa = tl.load(a_ptr + batch[:, None].to(tl.int64) * stride_xa + ranks[None, :],
-                     mask=batch_ok[:, None] & (ranks[None, :] < r), other=0.0)
+                     mask=batch_ok[:, None] & (ranks[None, :] < r), other=0.0, cache_modifier=".cg")
     if LORA > 0:  # B is [N, r], scaled by alpha / r
         b_tile = tl.load(b_ptr + rows[:, None] * r + ranks[None, :], mask=row_ok[:, None] & (ranks[None, :] < r),
                          other=0.0).to(tl.float32)
@@ -243,7 +247,7 @@ def _tile_rows(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_p
 
 @triton.jit
 def _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
-                  a_ptr, b_ptr, r, batch, stride_xa, rows, N, K,
+                  a_ptr, b_ptr, r, batch, stride_xa, sync_ptr, workers, rows, N, K,
                   eps, DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
                   DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, WAIT_HERE: tl.constexpr):
@@ -286,9 +290,11 @@ def _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax
             acc = tl.dot(w.to(tl.float32), x, acc, input_precision="ieee")
             if LORA == 1:
                 xa = tl.dot(a.to(tl.float32), x, xa, input_precision="ieee")
-    if LORA == 2:
+    if LORA >= 2:
+        if LORA == 3:
+            _wait_for_workers(sync_ptr, workers)
         xa = tl.load(a_ptr + batch[None, :].to(tl.int64) * stride_xa + ranks[:, None],
-                     mask=batch_ok[None, :] & (ranks[:, None] < r), other=0.0)
+                     mask=batch_ok[None, :] & (ranks[:, None] < r), other=0.0, cache_modifier=".cg")
     if LORA > 0:  # B is [N, r], scaled by alpha / r
         b_tile = tl.load(b_ptr + rows[:, None] * r + ranks[None, :], mask=row_ok[:, None] & (ranks[None, :] < r),
                          other=0.0).to(tl.float32)
@@ -297,14 +303,13 @@ def _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax
 
 
 @triton.jit
-def _lora_down(x_ptr, stride_xb, B, K, norm_ptr, eps, a_ptr, R, xa_ptr, NORM: tl.constexpr, DTYPE: tl.constexpr,
-               BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """xa [B, R] = norm(x) @ A.T in float32 for a launch's stacked A [R, K]: once per launch, where the
-    projection's programs would each redo it (a product as large as their weight tile's)."""
-    if PDL:
-        gdc_launch_dependents()
-    ranks = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    batch = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+def _lora_down_rows(x_ptr, stride_xb, B, K, norm_ptr, eps, a_ptr, R, xa_ptr, rank_block, batch_block,
+                    NORM: tl.constexpr, DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """xa[batch_block, rank_block] of norm(x) @ A.T in float32 for a launch's stacked A [R, K]: BLOCK_B rows of x
+    against BLOCK_R ranks, each A tile loaded before PDL's wait."""
+    ranks = rank_block * BLOCK_R + tl.arange(0, BLOCK_R)
+    batch = batch_block * BLOCK_B + tl.arange(0, BLOCK_B)
     batch_ok, rank_ok = batch < B, ranks < R
     x_base = x_ptr + batch[:, None].to(tl.int64) * stride_xb
     inv_rms = tl.zeros((BLOCK_B,), dtype=tl.float32)
@@ -330,6 +335,26 @@ def _lora_down(x_ptr, stride_xb, B, K, norm_ptr, eps, a_ptr, R, xa_ptr, NORM: tl
 
 
 @triton.jit
+def _lora_down(x_ptr, stride_xb, B, K, norm_ptr, eps, a_ptr, R, xa_ptr, NORM: tl.constexpr, DTYPE: tl.constexpr,
+               BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """xa [B, R] = norm(x) @ A.T as a launch of its own (`project` without `lora_sync`), before the projection."""
+    if PDL:
+        gdc_launch_dependents()
+    _lora_down_rows(x_ptr, stride_xb, B, K, norm_ptr, eps, a_ptr, R, xa_ptr, tl.program_id(0), tl.program_id(1),
+                    NORM, DTYPE, BLOCK_B, BLOCK_R, BLOCK_K, PDL)
+
+
+@triton.jit
+def _wait_for_workers(sync_ptr, workers):
+    """Spin until `workers` programs have published xa (`_project`'s first programs), then read it: one thread
+    acquires the count, the barrier orders the whole program's later loads after it."""
+    done = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+    while done < workers:
+        done = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
 def _store(acc, y_ptr, stride_yb, batch, batch_ok, columns, column_ok, residual_ptr, stride_rb,
            RESIDUAL: tl.constexpr):
     ok = batch_ok[:, None] & column_ok[None, :]
@@ -345,63 +370,85 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
              w0, absmax0, absmax2_0, offset0, a0, b0, n0,
              w1, absmax1, absmax2_1, offset1, a1, b1, n1,
              w2, absmax2, absmax2_2, offset2, a2, b2, n2,
-             y_ptr, stride_yb, residual_ptr, stride_rb, stride_xa,
+             y_ptr, stride_yb, residual_ptr, stride_rb, stride_xa, a_stacked_ptr, xa_ptr, sync_ptr, workers,
              PARTS: tl.constexpr, SILU_MUL: tl.constexpr, DENSE: tl.constexpr, NESTED: tl.constexpr,
              NORM: tl.constexpr, LORA: tl.constexpr, RESIDUAL: tl.constexpr, DTYPE: tl.constexpr,
              BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-             PRODUCT: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
-          WAIT_IN_LOOP: tl.constexpr):
+             PRODUCT: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr, WAIT_IN_LOOP: tl.constexpr,
+             DOWN_B: tl.constexpr, DOWN_R: tl.constexpr):
+    """One launch's programs over 1-3 weights (`project`). With LORA 3 the first `workers` programs compute
+    norm(x) @ A.T for the whole launch (`_lora_down`'s work, as `_lora_down` splits it) and publish it through
+    sync_ptr [2] (published count, finished programs); the others read it after their weight tiles. The last
+    program to finish zeroes sync_ptr for the next launch (a CUDA graph replays the same counters)."""
     if PDL:
         gdc_launch_dependents()
         if PRODUCT != 2 and not WAIT_IN_LOOP:  # pipelined dot loops would move their first loads of x above a
             gdc_wait()  # wait inside the loop
     block = tl.program_id(0)
-    batch = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
-    batch_ok = batch < B
-    x_base = x_ptr + batch[:, None].to(tl.int64) * stride_xb
-    inv_rms = tl.zeros((BLOCK_B,), dtype=tl.float32)
-    if NORM:
-        if K > BLOCK_K:  # statistics over the whole row first (one tile: `_tile` takes them from it)
-            if PDL:
-                gdc_wait()
-            inv_rms = _inverse_rms(x_base, batch_ok, K, eps, BLOCK_B, BLOCK_K)
-    local = tl.arange(0, BLOCK_N)
-    if SILU_MUL:  # gate (part 0) and up (part 1), the same rows: SiLU(gate) * up, each rounded as the modules round
-        rows = block * BLOCK_N + local
-        gate = round_to_dtype(_tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr,
-                            offset0, a0, b0, r, batch, stride_xa, rows, n0, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N,
-                            BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP), DTYPE)
-        up = round_to_dtype(_tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr, code2_ptr, offset1,
-                          a1, b1, r, batch, stride_xa, rows, n1, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K,
-                          BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP), DTYPE)
-        acc = round_to_dtype(gate / (1.0 + tl.exp(-gate)), DTYPE) * up
-        _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, rows < n0, residual_ptr, stride_rb, RESIDUAL)
-    else:  # the parts side by side: this program's rows lie in one of them
-        blocks0 = tl.cdiv(n0, BLOCK_N)
-        blocks1 = tl.cdiv(n1, BLOCK_N)
-        if block < blocks0:
+    if LORA == 3 and block < workers:
+        chunks = tl.cdiv(stride_xa, DOWN_R)
+        _lora_down_rows(x_ptr, stride_xb, B, K, norm_ptr, eps, a_stacked_ptr, stride_xa, xa_ptr, block % chunks,
+                        block // chunks, NORM, DTYPE, DOWN_B, DOWN_R, BLOCK_K, PDL)
+        tl.debug_barrier()  # the whole program's stores before the release
+        tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
+    else:
+        if LORA == 3:
+            block -= workers
+        batch = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+        batch_ok = batch < B
+        x_base = x_ptr + batch[:, None].to(tl.int64) * stride_xb
+        inv_rms = tl.zeros((BLOCK_B,), dtype=tl.float32)
+        if NORM:
+            if K > BLOCK_K:  # statistics over the whole row first (one tile: `_tile` takes them from it)
+                if PDL:
+                    gdc_wait()
+                inv_rms = _inverse_rms(x_base, batch_ok, K, eps, BLOCK_B, BLOCK_K)
+        local = tl.arange(0, BLOCK_N)
+        if SILU_MUL:  # gate (part 0) and up (part 1), the same rows: SiLU(gate) * up, each rounded as the modules round
             rows = block * BLOCK_N + local
-            acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr, offset0,
-                        a0, b0, r, batch, stride_xa, rows, n0, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R,
-                        PRODUCT, PDL, SWAP, WAIT_IN_LOOP)
+            gate = round_to_dtype(_tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr,
+                                        code2_ptr, offset0, a0, b0, r, batch, stride_xa, sync_ptr, workers, rows, n0,
+                                        K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R,
+                                        PRODUCT, PDL, SWAP, WAIT_IN_LOOP), DTYPE)
+            up = round_to_dtype(_tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr,
+                                      code2_ptr, offset1, a1, b1, r, batch, stride_xa, sync_ptr, workers, rows, n1, K,
+                                      eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R,
+                                      PRODUCT, PDL, SWAP, WAIT_IN_LOOP), DTYPE)
+            acc = round_to_dtype(gate / (1.0 + tl.exp(-gate)), DTYPE) * up
             _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, rows < n0, residual_ptr, stride_rb, RESIDUAL)
-        else:
-            if PARTS > 1:
-                if block < blocks0 + blocks1:
-                    rows = (block - blocks0) * BLOCK_N + local
-                    acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr, code2_ptr,
-                                offset1, a1, b1, r, batch, stride_xa, rows, n1, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N,
-                                BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP)
-                    _store(acc, y_ptr, stride_yb, batch, batch_ok, n0 + rows, rows < n1, residual_ptr, stride_rb,
-                           RESIDUAL)
-                else:
-                    if PARTS > 2:
-                        rows = (block - blocks0 - blocks1) * BLOCK_N + local
-                        acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w2, absmax2, absmax2_2, code_ptr, code2_ptr,
-                                    offset2, a2, b2, r, batch, stride_xa, rows, n2, K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B,
-                                    BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP)
-                        _store(acc, y_ptr, stride_yb, batch, batch_ok, n0 + n1 + rows, rows < n2, residual_ptr,
-                               stride_rb, RESIDUAL)
+        else:  # the parts side by side: this program's rows lie in one of them
+            blocks0 = tl.cdiv(n0, BLOCK_N)
+            blocks1 = tl.cdiv(n1, BLOCK_N)
+            if block < blocks0:
+                rows = block * BLOCK_N + local
+                acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr, offset0,
+                            a0, b0, r, batch, stride_xa, sync_ptr, workers, rows, n0, K, eps, DENSE, NESTED, NORM,
+                            LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP)
+                _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, rows < n0, residual_ptr, stride_rb, RESIDUAL)
+            else:
+                if PARTS > 1:
+                    if block < blocks0 + blocks1:
+                        rows = (block - blocks0) * BLOCK_N + local
+                        acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr, code2_ptr,
+                                    offset1, a1, b1, r, batch, stride_xa, sync_ptr, workers, rows, n1, K, eps, DENSE,
+                                    NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP,
+                                    WAIT_IN_LOOP)
+                        _store(acc, y_ptr, stride_yb, batch, batch_ok, n0 + rows, rows < n1, residual_ptr, stride_rb,
+                               RESIDUAL)
+                    else:
+                        if PARTS > 2:
+                            rows = (block - blocks0 - blocks1) * BLOCK_N + local
+                            acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w2, absmax2, absmax2_2, code_ptr,
+                                        code2_ptr, offset2, a2, b2, r, batch, stride_xa, sync_ptr, workers, rows, n2,
+                                        K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R,
+                                        PRODUCT, PDL, SWAP, WAIT_IN_LOOP)
+                            _store(acc, y_ptr, stride_yb, batch, batch_ok, n0 + n1 + rows, rows < n2, residual_ptr,
+                                   stride_rb, RESIDUAL)
+        if LORA == 3:  # every program before the last has passed its wait: the last one zeroes the counters
+            finished = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
+            if finished == tl.num_programs(0) - workers - 1:
+                tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
 @dataclass(frozen=True)
@@ -490,7 +537,8 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
             residual: torch.Tensor | None = None, silu_mul: bool = False, block_n: int | None = None,
             block_k: int | None = None, product: int | None = None, num_warps: int = 4,
             num_stages: int | None = None, lora_a_stacked: torch.Tensor | None = None,
-            swap: bool | None = None, a_per_program: bool | None = None) -> torch.Tensor:
+            swap: bool | None = None, a_per_program: bool | None = None,
+            lora_sync: torch.Tensor | None = None) -> torch.Tensor:
     """norm(x) through 1-3 weights of one kind: side by side -> [B, sum N] (+ residual), or with `silu_mul`
     (two weights, gate then up) SiLU(gate) * up -> [B, N].
 
@@ -500,6 +548,9 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     `lora_a_stacked`: the weights' A matrices stacked [len * r, K] (`stack_lora_a`), so that norm(x) @ A.T can
     be computed once for the launch (`_lora_down`, one more launch); `a_per_program` (None: the tiles' choice)
     computes it in every program beside its weight tile instead, as it is without `lora_a_stacked`.
+    `lora_sync`: int32 [2] zeros on x's device, owned by this call site (a CUDA graph replays it), and left zeroed:
+    with it `_lora_down`'s programs run as the first programs of the projection's own launch, one launch instead
+    of two, where the launch covers x in one block of rows.
     """
     k = weights[0].k
     default = tile_config(x.shape[0], x.is_cuda, weights[0].dense)
@@ -550,22 +601,30 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     block_b = min(block_b, 16)
     rank = 0 if first.lora_a is None else first.lora_a.shape[0]
     options = launch_options(x.device)
-    lora, a_of, stride_xa = (1 if rank else 0), [w.lora_a for w in weights], 0
+    # x @ A.T once for a launch: on a GPU one row of x and 8 ranks a program (with all 8 rows in a program its
+    # broadcast products took ~75 us a launch at 8 rows, benchmarks/results/decode_step_sweep_h200.md); the
+    # interpreter takes the fewest programs.
+    down_b, down_r = (1, 8) if x.is_cuda else (min(triton.next_power_of_2(batch), 16), 16)
+    lora, a_of, stride_xa, workers = (1 if rank else 0), [w.lora_a for w in weights], 0, 0
+    xa = a_stacked = None
     if rank and lora_a_stacked is not None:
         if lora_a_stacked.shape != (len(weights) * rank, k) or not lora_a_stacked.is_contiguous():
             raise ValueError(f"lora_a_stacked must be the {len(weights)} A matrices stacked, contiguous "
                              f"[{len(weights) * rank}, {k}]; got {tuple(lora_a_stacked.shape)}")
-        stride_xa = lora_a_stacked.shape[0]
+        stride_xa, a_stacked = lora_a_stacked.shape[0], lora_a_stacked
         xa = torch.empty((batch, stride_xa), dtype=torch.float32, device=x.device)
-        # On a GPU one row of x and 8 ranks a program: with all rows in a program its broadcast products
-        # took ~75 us a launch at 8 rows (benchmarks/results/decode_step_sweep_h200.md); the interpreter
-        # takes the fewest programs.
-        down_b, down_r = (1, 8) if x.is_cuda else (min(triton.next_power_of_2(batch), 16), 16)
-        _lora_down[(triton.cdiv(stride_xa, down_r), triton.cdiv(batch, down_b))](
-            x, x.stride(0), batch, k, norm_weight if norm_weight is not None else x, eps, lora_a_stacked, stride_xa,
-            xa, NORM=norm_weight is not None, DTYPE=dtype_code(x.dtype), BLOCK_B=down_b, BLOCK_R=down_r,
-            BLOCK_K=block_k, **options)
         lora, a_of = 2, [xa[:, i * rank:] for i in range(len(weights))]  # each weight's columns of xa
+        down_grid = (triton.cdiv(stride_xa, down_r), triton.cdiv(batch, down_b))
+        if lora_sync is not None and batch <= block_b:  # the down programs lead the projection's launch
+            if lora_sync.shape != (2,) or lora_sync.dtype != torch.int32 or lora_sync.device != x.device:
+                raise ValueError(f"lora_sync must be int32 [2] on {x.device}; got {lora_sync.dtype} "
+                                 f"{tuple(lora_sync.shape)} on {lora_sync.device}")
+            lora, workers = 3, down_grid[0] * down_grid[1]
+        else:
+            _lora_down[down_grid](
+                x, x.stride(0), batch, k, norm_weight if norm_weight is not None else x, eps, lora_a_stacked,
+                stride_xa, xa, NORM=norm_weight is not None, DTYPE=dtype_code(x.dtype), BLOCK_B=down_b,
+                BLOCK_R=down_r, BLOCK_K=block_k, **options)
 
     flat = []
     a_of += [a_of[-1]] * (3 - len(weights))
@@ -575,17 +634,19 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
                  w.offset, unused if a_of[i] is None else a_of[i], unused if w.lora_b is None else w.lora_b,
                  w.n if i < len(weights) else 0]
     blocks = triton.cdiv(width, block_n) if silu_mul else sum(triton.cdiv(w.n, block_n) for w in weights)
-    grid = (blocks, triton.cdiv(batch, block_b))
+    grid = (workers + blocks, triton.cdiv(batch, block_b))
     code = first.code if first.code is not None else x
     code2 = first.code2 if first.code2 is not None else x
     _project[grid](
         x, x.stride(0), batch, k, norm_weight if norm_weight is not None else x, eps, code, code2, rank, *flat,
         y, y.stride(0), residual if residual is not None else y, 0 if residual is None else residual.stride(0),
-        stride_xa,
+        stride_xa, x if a_stacked is None else a_stacked, y if xa is None else xa,
+        y if lora_sync is None else lora_sync, workers,
         PARTS=len(weights), SILU_MUL=silu_mul, DENSE=first.dense, NESTED=first.nested, NORM=norm_weight is not None,
         LORA=lora, RESIDUAL=residual is not None, DTYPE=dtype_code(x.dtype),
         BLOCK_B=block_b, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, triton.next_power_of_2(max(rank, 1))),
-        PRODUCT=product, SWAP=swap, WAIT_IN_LOOP=swap and num_stages == 1, num_warps=num_warps,
+        PRODUCT=product, SWAP=swap, WAIT_IN_LOOP=swap and num_stages == 1, DOWN_B=down_b, DOWN_R=down_r,
+        num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}), **options)
     return y
 

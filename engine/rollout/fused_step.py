@@ -68,6 +68,7 @@ def plan_layers(body: torch.nn.Module, dtype: torch.dtype, lora_parts, dense_of=
         return Weight(matrix.shape[0], matrix.shape[1], matrix, lora_a=a.contiguous(), lora_b=b.contiguous())
 
     layers = []
+    device = body.embed_tokens.weight.device
     for layer in body.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
@@ -87,6 +88,8 @@ def plan_layers(body: torch.nn.Module, dtype: torch.dtype, lora_parts, dense_of=
                   "gate_up": [weights["gate"], weights["up"]], "down": [weights["down"]]}
         layers.append({
             **groups, **{f"{name}_a": stack_lora_a(group) for name, group in groups.items()},
+            # each launch's counters for x @ A.T computed inside it (`project(lora_sync=...)`), left zeroed
+            **{f"{name}_sync": torch.zeros(2, dtype=torch.int32, device=device) for name in groups},
             "input_norm": layer.input_layernorm, "post_norm": layer.post_attention_layernorm,
             "q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight, "qk_eps": attn.q_norm.variance_epsilon,
         })
@@ -109,14 +112,15 @@ def decode_step(decoder, fused: list[dict]) -> torch.Tensor:
     h = decoder.body.embed_tokens(tokens_S)
     for index, f in enumerate(fused):
         norm = f["input_norm"]
-        qkv = project(h, f["qkv"], norm_weight=norm.weight, eps=norm.variance_epsilon, lora_a_stacked=f["qkv_a"])
+        qkv = project(h, f["qkv"], norm_weight=norm.weight, eps=norm.variance_epsilon, lora_a_stacked=f["qkv_a"],
+                      lora_sync=f["qkv_sync"])
         q = qk_norm_rope_append(qkv, f["q_norm"], f["k_norm"], f["qk_eps"], cos, sin, positions_S,
                                 decoder.k_cache[index], decoder.v_cache[index])
         attended = decode_attention(q, decoder.k_cache[index], decoder.v_cache[index], positions_S)
-        h = project(attended.view(S, -1), f["o"], residual=h, lora_a_stacked=f["o_a"])
+        h = project(attended.view(S, -1), f["o"], residual=h, lora_a_stacked=f["o_a"], lora_sync=f["o_sync"])
         norm = f["post_norm"]
         act = project(h, f["gate_up"], norm_weight=norm.weight, eps=norm.variance_epsilon, silu_mul=True,
-                      lora_a_stacked=f["gate_up_a"])
-        h = project(act, f["down"], residual=h, lora_a_stacked=f["down_a"])
+                      lora_a_stacked=f["gate_up_a"], lora_sync=f["gate_up_sync"])
+        h = project(act, f["down"], residual=h, lora_a_stacked=f["down_a"], lora_sync=f["down_sync"])
     final = decoder.body.norm
     return decoder.lm_head(F.rms_norm(h, final.weight.shape, final.weight, final.variance_epsilon))

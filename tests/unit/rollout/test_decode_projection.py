@@ -129,6 +129,38 @@ def test_the_tiles_a_gpu_takes_are_the_same_projection(kind: str, batch: int):
 
 @pytest.mark.parametrize("kind", ["nf4", "dense"])
 @pytest.mark.parametrize("product", PRODUCTS)
+@pytest.mark.parametrize("batch", [1, 5])
+def test_x_times_a_in_the_projections_own_launch_is_bit_for_bit_the_separate_one(kind: str, product: int,
+                                                                                   batch: int):
+    """lora_sync: `_lora_down`'s programs lead the projection's launch and publish x @ A.T through two counters:
+    the same bits as its own launch, for three weights with a norm, SiLU·mul and a residual, and the counters left
+    zeroed (a replayed CUDA graph reuses them); twice over the same counters, the second launch as the first."""
+    gen = torch.Generator().manual_seed(11 + batch)
+    k, eps = 192, 1e-6
+    qkv = [make(kind, n, k, 8, gen)[0] for n in (96, 40, 40)]
+    gate, up = (make(kind, 64, k, 8, gen)[0] for _ in range(2))
+    down = make(kind, k, 64, 8, gen)[0]
+    x, gamma = draw(gen, batch, k, s=3.0), draw(gen, k, s=0.5)
+    sync = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    tiles = {"product": product, "block_n": 32, "block_k": 64}
+    for _ in range(2):
+        for weights, options in ((qkv, {"norm_weight": gamma, "eps": eps}),
+                                 ([gate, up], {"norm_weight": gamma, "eps": eps, "silu_mul": True})):
+            separate = project(x, weights, **options, **tiles, lora_a_stacked=stack_lora_a(weights))
+            fused = project(x, weights, **options, **tiles, lora_a_stacked=stack_lora_a(weights), lora_sync=sync)
+            assert torch.equal(fused, separate)
+            assert sync.tolist() == [0, 0]
+        act = project(x, [gate, up], norm_weight=gamma, eps=eps, silu_mul=True, **tiles)
+        separate = project(act, [down], residual=x, **tiles, lora_a_stacked=stack_lora_a([down]))
+        fused = project(act, [down], residual=x, **tiles, lora_a_stacked=stack_lora_a([down]), lora_sync=sync)
+        assert torch.equal(fused, separate) and sync.tolist() == [0, 0]
+        without_lora = project(act, [Weight(down.n, down.k, down.data, down.absmax, down.absmax2, down.code,
+                                            down.code2, down.offset, down.nested)], residual=x, **tiles)
+        assert rel(fused, without_lora.double().cpu()) > 1e-3  # the adapter is in it
+
+
+@pytest.mark.parametrize("kind", ["nf4", "dense"])
+@pytest.mark.parametrize("product", PRODUCTS)
 @pytest.mark.parametrize("stacked", [False, True], ids=["a-per-program", "a-once"])
 def test_gate_up_silu_mul_and_residual(kind: str, product: int, stacked: bool, swap: bool = False):
     gen = torch.Generator().manual_seed(3)
