@@ -32,6 +32,7 @@ from miniverl.engine.core.recipe import LoraSpec
 from miniverl.engine.models.loading import attach_lora, load_causal_lm
 from miniverl.engine.rollout import fused_step
 from miniverl.engine.rollout.cuda_graph import StaticDecoder
+from miniverl.engine.rollout.decode_attention import attend_new_token, decode_attention, qk_norm_rope_append
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_bench import common_prefix, copy_bandwidth, engine_generate, replay_ms, save_qwen3_0_6b, step_bytes  # noqa: E402
@@ -42,6 +43,9 @@ from rollout_bench import common_prefix, copy_bandwidth, engine_generate, replay
 VARIANTS = {
     "default": {},  # tile_config's choice for each launch
     "separate_down": {"lora_sync": None},  # the default tiles, x @ A.T by a `_lora_down` launch of its own
+    # the step before the prologue moved into the split-key programs: qk_norm_rope_append, then decode_attention
+    "separate_prologue": {"separate_prologue": True},
+    "separate_both": {"lora_sync": None, "separate_prologue": True},  # both launches back: session 7's step
     "broadcast_8x1024_once": {"product": 2, "block_n": 8, "block_k": 1024, "once": True},
     "tc_16x256_once": {"product": 1, "block_n": 16, "block_k": 256, "once": True},
     "module": {"kernels": False},
@@ -82,6 +86,12 @@ def patched_project(original, options: dict):
     return project
 
 
+def two_launch_attention(qkv, q_weight, k_weight, eps, cos, sin, positions, k_cache, v_cache):
+    """`attend_new_token` as the step took it before: its prologue as a launch of its own."""
+    q = qk_norm_rope_append(qkv, q_weight, k_weight, eps, cos, sin, positions, k_cache, v_cache)
+    return decode_attention(q, k_cache, v_cache, positions)
+
+
 def bench(model, label: str, slots: int, variants: list[str], args, bandwidth: float, dense_copy: bool) -> list[dict]:
     gen = torch.Generator().manual_seed(slots)
     prompts = torch.randint(0, 151936, (slots, args.prompt_tokens), generator=gen).tolist()
@@ -91,6 +101,8 @@ def bench(model, label: str, slots: int, variants: list[str], args, bandwidth: f
         row = {"weights": label, "slots": slots, "variant": name, "options": VARIANTS[name]}
         options = dict(VARIANTS[name])
         kernels = options.pop("kernels", True)
+        if options.pop("separate_prologue", False):
+            fused_step.attend_new_token = two_launch_attention
         fused_step.project = patched_project(original, options)
         try:
             start = time.perf_counter()
@@ -110,7 +122,7 @@ def bench(model, label: str, slots: int, variants: list[str], args, bandwidth: f
         except Exception as exc:  # noqa: BLE001 - keep the other variants
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         finally:
-            fused_step.project = original
+            fused_step.project, fused_step.attend_new_token = original, attend_new_token
             torch.cuda.empty_cache()
         print(json.dumps(row), flush=True)
         rows.append(row)

@@ -2,8 +2,9 @@
 
 `qk_norm_rope_append` takes the qkv projection's output to q and the new
 cache entries (q_norm, k_norm, rotary embedding, append); `decode_attention`
-attends, split along the keys (flash-decoding). Both serve the kernel step
-(fused_step.py); measured on an H200 (benchmarks/results/decode_kernels_h200_session4.md)
+attends, split along the keys (flash-decoding). The kernel step (fused_step.py)
+takes both in `attend_new_token`, whose split-key programs do the prologue
+themselves (one launch fewer a layer, the same bits). Measured on an H200 (benchmarks/results/decode_kernels_h200_session4.md)
 it takes 8.0 us at one slot against SDPA's 12.0 over the masked cache, and
 23.5 against 16.5 at eight. The cache is the CUDA-graph decoder's
 (`cuda_graph.StaticDecoder`): [slots, kv_heads, max_len, head_dim] for one
@@ -33,10 +34,31 @@ from miniverl.engine.rollout.decode_projection import (dtype_code, gdc_launch_de
 
 
 @triton.jit
+def _normed_rotated(offsets, qkv_ptr, partner_offsets, weight_ptr, dims, partner, cos, sin, eps,
+                    HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
+    """Rows of q or k heads from the qkv projection's output at `offsets` [M, D] (`partner_offsets`: rotate_half's
+    partner of each element): q_norm / k_norm as Qwen3RMSNorm rounds (normalized, rounded, times the weight,
+    rounded), then the rotary embedding as the module step computes it, round(round(x * cos) + partner * sin)."""
+    x = tl.load(qkv_ptr + offsets).to(tl.float32)
+    x_partner = tl.load(qkv_ptr + partner_offsets).to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1, keep_dims=True) / HEAD_DIM + eps)
+    x = round_to_dtype(round_to_dtype(x * inv_rms, DTYPE) * tl.load(weight_ptr + dims).to(tl.float32)[None, :],
+                       DTYPE)
+    x_partner = round_to_dtype(round_to_dtype(x_partner * inv_rms, DTYPE)
+                               * tl.load(weight_ptr + partner).to(tl.float32)[None, :], DTYPE)
+    return round_to_dtype(round_to_dtype(x * cos, DTYPE) + x_partner * sin, DTYPE)
+
+
+@triton.jit
 def _split_attention(q_ptr, k_ptr, v_ptr, positions_ptr, max_ptr, sum_ptr, acc_ptr, scale,
                      stride_qs, stride_qh, stride_ks, stride_kh, stride_kl, n_splits, split_len,
+                     q_weight_ptr, k_weight_ptr, eps, cos_ptr, sin_ptr,
                      GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr,
-                     DOT: tl.constexpr, PDL: tl.constexpr):
+                     DOT: tl.constexpr, PROLOGUE: tl.constexpr, N_Q: tl.constexpr, DTYPE: tl.constexpr,
+                     PDL: tl.constexpr):
+    """Pass 1. PROLOGUE: q_ptr is the qkv projection's output [S, (H + 2 Hkv) D], not q: every program takes its
+    query heads through q_norm and the rotary embedding (`_normed_rotated`), and the one whose split holds the
+    slot's position appends the new key and value to the caches first and reads them back with the rest."""
     if PDL:
         gdc_launch_dependents()
     slot = tl.program_id(0).to(tl.int64)
@@ -47,11 +69,31 @@ def _split_attention(q_ptr, k_ptr, v_ptr, positions_ptr, max_ptr, sum_ptr, acc_p
     dims = tl.arange(0, HEAD_DIM)
     if PDL:  # q and the newest key come from the kernel before
         gdc_wait()
-    q = tl.load(q_ptr + slot * stride_qs + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None],
-                other=0.0).to(tl.float32)
     last = tl.load(positions_ptr + slot)  # keys 0..last are this slot's
     start = split * split_len
     stop = tl.minimum(start + split_len, last + 1)
+    if PROLOGUE:
+        partner = (dims + HEAD_DIM // 2) % HEAD_DIM  # rotate_half pairs d with d + D/2 (its sign is in the sin table)
+        cos = tl.load(cos_ptr + last * HEAD_DIM + dims).to(tl.float32)[None, :]
+        sin = tl.load(sin_ptr + last * HEAD_DIM + dims).to(tl.float32)[None, :]
+        row = slot * stride_qs
+        q_heads = tl.where(head_ok, heads, kv_head * GROUP)  # padded rows repeat a real head, never stored
+        q = _normed_rotated(row + q_heads[:, None] * HEAD_DIM + dims[None, :], q_ptr,
+                            row + q_heads[:, None] * HEAD_DIM + partner[None, :], q_weight_ptr, dims, partner, cos,
+                            sin, eps, HEAD_DIM, DTYPE)
+        q = tl.where(head_ok[:, None], q, 0.0)
+        if (start <= last) & (last < start + split_len):  # this split holds the new key: append it, then read it
+            k_row = row + (N_Q + kv_head) * HEAD_DIM
+            key = _normed_rotated(k_row + dims[None, :], q_ptr, k_row + partner[None, :], k_weight_ptr, dims,
+                                  partner, cos, sin, eps, HEAD_DIM, DTYPE)
+            entry = slot * stride_ks + kv_head * stride_kh + last * stride_kl
+            tl.store(k_ptr + entry + dims[None, :], key.to(k_ptr.dtype.element_ty))
+            v_row = row + (N_Q + tl.num_programs(1) + kv_head) * HEAD_DIM
+            tl.store(v_ptr + entry + dims, tl.load(q_ptr + v_row + dims))
+            tl.debug_barrier()  # the whole program's stores before its loads of the cache
+    else:
+        q = tl.load(q_ptr + slot * stride_qs + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None],
+                    other=0.0).to(tl.float32)
     running_max = tl.full((BLOCK_G,), -float("inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
@@ -120,24 +162,18 @@ def _qk_norm_rope_append(qkv_ptr, stride_qkv, q_weight_ptr, k_weight_ptr, eps, c
     position = tl.load(positions_ptr + slot)
     kv_offset = slot * stride_ks + position * stride_kl
     if head < N_Q + N_KV:
-        x = tl.load(row + dims).to(tl.float32)
-        x_partner = tl.load(row + partner).to(tl.float32)
-        inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
         if head < N_Q:
             weight_ptr = q_weight_ptr
         else:
             weight_ptr = k_weight_ptr
-        # q_norm / k_norm as Qwen3RMSNorm rounds (normalized, rounded, times the weight, rounded), then the
-        # rotary embedding as the module step computes it: round(round(x * cos) + partner * sin).
-        x = round_to_dtype(round_to_dtype(x * inv_rms, DTYPE) * tl.load(weight_ptr + dims).to(tl.float32), DTYPE)
-        x_partner = round_to_dtype(round_to_dtype(x_partner * inv_rms, DTYPE) * tl.load(weight_ptr + partner).to(tl.float32), DTYPE)
-        cos = tl.load(cos_ptr + position * HEAD_DIM + dims).to(tl.float32)
-        sin = tl.load(sin_ptr + position * HEAD_DIM + dims).to(tl.float32)
-        rotated = round_to_dtype(x * cos, DTYPE) + x_partner * sin
+        cos = tl.load(cos_ptr + position * HEAD_DIM + dims).to(tl.float32)[None, :]
+        sin = tl.load(sin_ptr + position * HEAD_DIM + dims).to(tl.float32)[None, :]
+        rotated = _normed_rotated(dims[None, :], row, partner[None, :], weight_ptr, dims, partner, cos, sin, eps,
+                                  HEAD_DIM, DTYPE)
         if head < N_Q:
-            tl.store(q_ptr + slot * stride_qs + head * HEAD_DIM + dims, rotated.to(q_ptr.dtype.element_ty))
+            tl.store(q_ptr + slot * stride_qs + head * HEAD_DIM + dims[None, :], rotated.to(q_ptr.dtype.element_ty))
         else:
-            tl.store(k_cache_ptr + kv_offset + (head - N_Q) * stride_kh + dims,
+            tl.store(k_cache_ptr + kv_offset + (head - N_Q) * stride_kh + dims[None, :],
                      rotated.to(k_cache_ptr.dtype.element_ty))
     else:
         tl.store(v_cache_ptr + kv_offset + (head - N_Q - N_KV) * stride_kh + dims, tl.load(row + dims))
@@ -155,12 +191,7 @@ def qk_norm_rope_append(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: tor
     slots, width = qkv.shape
     kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     heads = width // head_dim - 2 * kv_heads
-    if heads <= 0 or width % head_dim or qkv.stride(1) != 1 or k_cache.stride() != v_cache.stride() \
-            or k_cache.shape[0] != slots or k_cache.stride(3) != 1 or head_dim & (head_dim - 1):
-        raise ValueError(f"qkv [{slots}, {width}] does not match caches {tuple(k_cache.shape)}")
-    if cos.shape != (k_cache.shape[2], head_dim) or sin.shape != cos.shape or not (cos.is_contiguous()
-                                                                                     and sin.is_contiguous()):
-        raise ValueError(f"cos and sin must be contiguous [{k_cache.shape[2]}, {head_dim}]; got {tuple(cos.shape)}")
+    _check_prologue(qkv, cos, sin, k_cache, v_cache)
     q = torch.empty((slots, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     _qk_norm_rope_append[(slots, heads + 2 * kv_heads)](
         qkv, qkv.stride(0), q_weight, k_weight, eps, cos, sin, positions, q, q.stride(0), k_cache, v_cache,
@@ -176,7 +207,43 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Splits of 32 keys, read 32 at a time up to 4 slots and 16 beyond: the fastest on an H200 at Qwen3-0.6B's
     heads over 704 keys (8.0 us at one slot, 23.5 at eight; benchmarks/results/decode_attention_h200_broadcast.json).
     """
-    slots, heads, head_dim = q.shape
+    return _attention(q, k_cache, v_cache, positions, split_len, block_l)
+
+
+def attend_new_token(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                     cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, split_len: int = 32, block_l: int | None = None) -> torch.Tensor:
+    """`qk_norm_rope_append` and `decode_attention` in two launches instead of three: the split-key programs take
+    q and the new key from the qkv projection's output themselves, and the one whose split holds the slot's
+    position appends the key and value. The same arguments as `qk_norm_rope_append`, the same result as the
+    two (the same bits: the same roundings in one helper) and the same caches after it; returns [S, H, D]."""
+    slots, width = qkv.shape
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    heads = width // head_dim - 2 * kv_heads
+    _check_prologue(qkv, cos, sin, k_cache, v_cache)
+    return _attention(qkv.view(slots, width // head_dim, head_dim), k_cache, v_cache, positions, split_len, block_l,
+                      prologue=(q_weight, k_weight, eps, cos, sin), heads=heads)
+
+
+def _check_prologue(qkv, cos, sin, k_cache, v_cache) -> None:
+    slots, width = qkv.shape
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    heads = width // head_dim - 2 * kv_heads
+    if heads <= 0 or width % head_dim or qkv.stride(1) != 1 or k_cache.stride() != v_cache.stride() \
+            or k_cache.shape[0] != slots or k_cache.stride(3) != 1 or head_dim & (head_dim - 1):
+        raise ValueError(f"qkv [{slots}, {width}] does not match caches {tuple(k_cache.shape)}")
+    if cos.shape != (k_cache.shape[2], head_dim) or sin.shape != cos.shape or not (cos.is_contiguous()
+                                                                                     and sin.is_contiguous()):
+        raise ValueError(f"cos and sin must be contiguous [{k_cache.shape[2]}, {head_dim}]; got {tuple(cos.shape)}")
+
+
+def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+               split_len: int, block_l: int | None, prologue: tuple | None = None,
+               heads: int | None = None) -> torch.Tensor:
+    """Both passes; with `prologue` (q_weight, k_weight, eps, cos, sin) q is the qkv output as [S, heads + 2 Hkv,
+    D] and the first `heads` of it are the query heads."""
+    slots, _, head_dim = q.shape
+    heads = q.shape[1] if heads is None else heads
     block_l = (32 if slots <= 4 else 16) if block_l is None else block_l
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[0] != slots or k_cache.shape[3] != head_dim:
         raise ValueError(f"caches must be [{slots}, kv_heads, max_len, {head_dim}] alike; got {tuple(k_cache.shape)} "
@@ -195,12 +262,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     partial = torch.empty((slots, heads, n_splits), dtype=torch.float32, device=q.device)
     sums = torch.empty_like(partial)
     acc = torch.empty((slots, heads, n_splits, head_dim), dtype=torch.float32, device=q.device)
+    q_weight, k_weight, eps, cos, sin = (q, q, 0.0, q, q) if prologue is None else prologue
     _split_attention[(slots, kv_heads, n_splits)](
         q, k_cache, v_cache, positions, partial, sums, acc, 1.0 / math.sqrt(head_dim),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), n_splits, split_len,
+        q_weight, k_weight, eps, cos, sin,
         GROUP=group, BLOCK_G=max(16, block_g) if dot else block_g, HEAD_DIM=head_dim, BLOCK_L=block_l, DOT=dot,
-        **options)
-    out = torch.empty_like(q)
+        PROLOGUE=prologue is not None, N_Q=heads, DTYPE=dtype_code(q.dtype), **options)
+    out = torch.empty((slots, heads, head_dim), dtype=q.dtype, device=q.device)
     _combine[(slots, heads)](partial, sums, acc, out, n_splits, out.stride(0), out.stride(1), heads,
                              HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(n_splits), **options)
     return out

@@ -1,14 +1,16 @@
-"""The decode step through the Triton kernels: `StaticDecoder(kernels=True)`, seven launches per layer.
+"""The decode step through the Triton kernels: `StaticDecoder(kernels=True)`, six launches per layer.
 
 Per layer, instead of the module-by-module step (`StaticDecoder._layers`, ~29 GPU operations):
 1. `project(h, [q, k, v], norm=input_layernorm)`: the input RMSNorm, the three
    projections and their LoRA adapters into one [S, (H + 2 Hkv) D] row;
-2. `qk_norm_rope_append`: q_norm and k_norm, the rotary embedding at each
-   slot's position, the new key and value written into the static cache;
-3-4. `decode_attention` (split-key, then the splits combined);
-5. `project(attended, [o], residual=h)`;
-6. `project(h, [gate, up], norm=post_attention_layernorm, silu_mul=True)`;
-7. `project(act, [down], residual=h)`.
+2-3. `attend_new_token`: the split-key attention, whose programs take q_norm,
+   k_norm and the rotary embedding from that row and append the new key and
+   value to the static cache themselves, then the splits combined;
+4. `project(attended, [o], residual=h)`;
+5. `project(h, [gate, up], norm=post_attention_layernorm, silu_mul=True)`;
+6. `project(act, [down], residual=h)`.
+Each projection's norm(x) @ A.T runs as the first programs of its own launch
+(`project(lora_sync=...)`), not as a launch before it.
 Then the final norm and the LM head (one cuBLAS GEMV) as the module step
 runs them. The bases are NF4 (bitsandbytes, read in place) or bf16/fp16/fp32
 linears, each with one plain LoRA adapter or none (all seven alike).
@@ -24,6 +26,10 @@ into the copy) 0.82 against 2.11 at one slot and 1.77 against 2.15 at eight, so
 (2.50 against 3.19), but slot counts between 8 and 32 were not measured, so
 `auto` stops at eight for both kinds. The Triton launches use
 programmatic dependent launch where the GPU has it (compute capability 9 on).
+With the six launches a layer (benchmarks/results/decode_step_sweep_h200.md,
+session 8): bf16 1.14-1.15 ms at one slot, 2.30-2.32 at eight; NF4 1.51-1.52
+and 3.81-3.83, against 1.16-1.17, 2.36, 1.59 and 3.96 for the eleven before it
+in the same runs.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from miniverl.engine.rollout.decode_attention import decode_attention, qk_norm_rope_append
+from miniverl.engine.rollout.decode_attention import attend_new_token
 from miniverl.engine.rollout.decode_projection import Weight, project, stack_lora_a
 
 
@@ -114,9 +120,8 @@ def decode_step(decoder, fused: list[dict]) -> torch.Tensor:
         norm = f["input_norm"]
         qkv = project(h, f["qkv"], norm_weight=norm.weight, eps=norm.variance_epsilon, lora_a_stacked=f["qkv_a"],
                       lora_sync=f["qkv_sync"])
-        q = qk_norm_rope_append(qkv, f["q_norm"], f["k_norm"], f["qk_eps"], cos, sin, positions_S,
-                                decoder.k_cache[index], decoder.v_cache[index])
-        attended = decode_attention(q, decoder.k_cache[index], decoder.v_cache[index], positions_S)
+        attended = attend_new_token(qkv, f["q_norm"], f["k_norm"], f["qk_eps"], cos, sin, positions_S,
+                                    decoder.k_cache[index], decoder.v_cache[index])
         h = project(attended.view(S, -1), f["o"], residual=h, lora_a_stacked=f["o_a"], lora_sync=f["o_sync"])
         norm = f["post_norm"]
         act = project(h, f["gate_up"], norm_weight=norm.weight, eps=norm.variance_epsilon, silu_mul=True,

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="needs Triton (the dev extra installs it)")
-from miniverl.engine.rollout.decode_attention import decode_attention  # noqa: E402
+from miniverl.engine.rollout.decode_attention import (attend_new_token, decode_attention,  # noqa: E402
+                                                      qk_norm_rope_append)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -44,6 +45,34 @@ def test_matches_float64_at_different_positions_per_slot(heads: int, kv_heads: i
     k2, v2 = k.clone(), v.clone()
     k2[0, :, 1:], v2[1, :, 131:] = 100.0, -100.0
     assert torch.equal(decode_attention(q, k2, v2, positions), got)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (16, 1, 32)], ids=["gqa2", "dot16"])
+def test_the_prologue_inside_the_split_programs_is_the_two_launches_bit_for_bit(heads: int, kv_heads: int,
+                                                                                 dim: int):
+    """attend_new_token (q_norm, k_norm, rotary and the append in the split-key programs) against
+    qk_norm_rope_append then decode_attention: the same output and the same caches, bit for bit, for slots whose
+    new key falls at a split's first, inner and last position; and the new key is in the attention (a cache
+    missing it gives a different output)."""
+    gen = torch.Generator().manual_seed(heads + dim)
+    slots, max_len, eps = 4, 100, 1e-6
+    qkv = (3 * torch.randn(slots, (heads + 2 * kv_heads) * dim, generator=gen)).to(torch.bfloat16).to(DEVICE)
+    q_weight, k_weight = ((1 + 0.3 * torch.randn(dim, generator=gen)).to(torch.bfloat16).to(DEVICE)
+                          for _ in range(2))
+    angles = torch.arange(max_len)[:, None] * torch.rand(dim // 2, generator=gen)[None, :]
+    cos = torch.cat([angles.cos(), angles.cos()], dim=1).to(torch.bfloat16).to(DEVICE)
+    sin = torch.cat([-angles.sin(), angles.sin()], dim=1).to(torch.bfloat16).to(DEVICE)
+    k = torch.randn(slots, kv_heads, max_len, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    v = torch.randn(slots, kv_heads, max_len, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    positions = torch.tensor([0, 32, 45, 63], device=DEVICE)  # splits of 32: first, first, inner, last
+    k_two, v_two, k_one, v_one = k.clone(), v.clone(), k.clone(), v.clone()
+    q = qk_norm_rope_append(qkv, q_weight, k_weight, eps, cos, sin, positions, k_two, v_two)
+    want = decode_attention(q, k_two, v_two, positions)
+    got = attend_new_token(qkv, q_weight, k_weight, eps, cos, sin, positions, k_one, v_one)
+    assert torch.equal(got, want)
+    assert torch.equal(k_one, k_two) and torch.equal(v_one, v_two)
+    assert not torch.equal(k_one, k) and not torch.equal(v_one, v)  # the new entries were written
+    assert not torch.equal(decode_attention(q, k, v, positions), want)  # and they count
 
 
 def test_refuses_shapes_it_cannot_read():
