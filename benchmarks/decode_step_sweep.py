@@ -37,7 +37,8 @@ from miniverl.engine.rollout.decode_attention import attend_new_token, decode_at
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_bench import common_prefix, copy_bandwidth, engine_generate, replay_ms, save_qwen3_0_6b, step_bytes  # noqa: E402
 
-# name: project() options for every projection launch of the step; "once": keep the `_lora_down` launch;
+# name: project() options for every projection launch of the step; "once": x @ A.T once for the launch (by
+# `_lora_down`'s programs, leading the projection's launch where the step passes `lora_sync`), not per program;
 # "module": the module-by-module step (no kernels), for reference. num_stages 1 with swap: PDL's wait after the
 # first weight tile (decode_projection._tile_swapped).
 VARIANTS = {
@@ -69,8 +70,8 @@ VARIANTS = {
     "swap_16x1024_s1_w8": {"product": 1, "swap": True, "block_n": 16, "block_k": 1024, "num_stages": 1,
                            "num_warps": 8},
 }
-DEFAULT_VARIANTS = ["default", "module", "separate_down", "broadcast_8x1024_once", "tc_16x256_once", "swap_32x256_s3",
-                    "swap_16x256_s3", "swap_64x256_s3", "swap_16x512_s1"]
+DEFAULT_VARIANTS = ["default", "module", "separate_down", "broadcast_8x1024_once", "tc_16x256_once",
+                    "swap_32x256_s3", "swap_16x256_s3", "swap_64x256_s3", "swap_16x512_s1"]
 
 
 def patched_project(original, options: dict):

@@ -188,10 +188,8 @@ def qk_norm_rope_append(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: tor
     `cos` and `sin` are [L, D] tables in the compute dtype, as the model's rotary embedding gives them for
     positions 0..L-1, with rotate_half's sign folded into `sin` (its first half negated).
     """
-    slots, width = qkv.shape
-    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
-    heads = width // head_dim - 2 * kv_heads
-    _check_prologue(qkv, cos, sin, k_cache, v_cache)
+    heads = _query_heads(qkv, cos, sin, k_cache, v_cache)
+    slots, kv_heads, head_dim = qkv.shape[0], k_cache.shape[1], k_cache.shape[3]
     q = torch.empty((slots, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     _qk_norm_rope_append[(slots, heads + 2 * kv_heads)](
         qkv, qkv.stride(0), q_weight, k_weight, eps, cos, sin, positions, q, q.stride(0), k_cache, v_cache,
@@ -217,15 +215,15 @@ def attend_new_token(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.
     q and the new key from the qkv projection's output themselves, and the one whose split holds the slot's
     position appends the key and value. The same arguments as `qk_norm_rope_append`, the same result as the
     two (the same bits: the same roundings in one helper) and the same caches after it; returns [S, H, D]."""
-    slots, width = qkv.shape
-    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
-    heads = width // head_dim - 2 * kv_heads
-    _check_prologue(qkv, cos, sin, k_cache, v_cache)
-    return _attention(qkv.view(slots, width // head_dim, head_dim), k_cache, v_cache, positions, split_len, block_l,
+    heads = _query_heads(qkv, cos, sin, k_cache, v_cache)
+    head_dim = k_cache.shape[3]
+    return _attention(qkv.view(qkv.shape[0], -1, head_dim), k_cache, v_cache, positions, split_len, block_l,
                       prologue=(q_weight, k_weight, eps, cos, sin), heads=heads)
 
 
-def _check_prologue(qkv, cos, sin, k_cache, v_cache) -> None:
+def _query_heads(qkv, cos, sin, k_cache, v_cache) -> int:
+    """The query heads in the qkv projection's output [S, (H + 2 Hkv) D], once it is checked against the caches
+    and the rotary tables; ValueError otherwise."""
     slots, width = qkv.shape
     kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     heads = width // head_dim - 2 * kv_heads
@@ -235,6 +233,7 @@ def _check_prologue(qkv, cos, sin, k_cache, v_cache) -> None:
     if cos.shape != (k_cache.shape[2], head_dim) or sin.shape != cos.shape or not (cos.is_contiguous()
                                                                                      and sin.is_contiguous()):
         raise ValueError(f"cos and sin must be contiguous [{k_cache.shape[2]}, {head_dim}]; got {tuple(cos.shape)}")
+    return heads
 
 
 def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
