@@ -50,6 +50,25 @@ def _normed_rotated(offsets, qkv_ptr, partner_offsets, weight_ptr, dims, partner
 
 
 @triton.jit
+def _attend_tile(q, k, v, key_ok, running_max, running_sum, acc, scale, DOT: tl.constexpr):
+    """The online softmax over one tile of keys: the running max, sum of exponentials and weighted values."""
+    if DOT:  # 16 or more query heads share the kv head: a dot's rows are all used
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_L]
+    else:  # a few: broadcast products, no rows padded to a dot's 16
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+    scores = tl.where(key_ok[None, :], scores, -float("inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    rescale = tl.exp(running_max - new_max)
+    weights = tl.exp(scores - new_max[:, None])
+    running_sum = running_sum * rescale + tl.sum(weights, axis=1)
+    if DOT:
+        acc = acc * rescale[:, None] + tl.dot(weights, v, input_precision="ieee")
+    else:
+        acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
+    return new_max, running_sum, acc
+
+
+@triton.jit
 def _split_attention(q_ptr, k_ptr, v_ptr, positions_ptr, max_ptr, sum_ptr, acc_ptr, scale,
                      stride_qs, stride_qh, stride_ks, stride_kh, stride_kl, n_splits, split_len,
                      q_weight_ptr, k_weight_ptr, eps, cos_ptr, sin_ptr,
@@ -57,8 +76,12 @@ def _split_attention(q_ptr, k_ptr, v_ptr, positions_ptr, max_ptr, sum_ptr, acc_p
                      DOT: tl.constexpr, PROLOGUE: tl.constexpr, N_Q: tl.constexpr, DTYPE: tl.constexpr,
                      PDL: tl.constexpr):
     """Pass 1. PROLOGUE: q_ptr is the qkv projection's output [S, (H + 2 Hkv) D], not q: every program takes its
-    query heads through q_norm and the rotary embedding (`_normed_rotated`), and the one whose split holds the
-    slot's position appends the new key and value to the caches first and reads them back with the rest."""
+    query heads through q_norm and the rotary embedding (`_normed_rotated`) and the new key likewise, and the one
+    whose split holds the slot's position appends the new key and value to the caches.
+
+    Under PDL the split's first tile of keys older than the position is read before the wait (earlier steps
+    wrote it; positions and the rotary tables are the graph's inputs): after the wait only q and the newest key
+    and value are read, from the kernel before, and that key takes its place in the tile in registers."""
     if PDL:
         gdc_launch_dependents()
     slot = tl.program_id(0).to(tl.int64)
@@ -67,57 +90,63 @@ def _split_attention(q_ptr, k_ptr, v_ptr, positions_ptr, max_ptr, sum_ptr, acc_p
     heads = kv_head * GROUP + tl.arange(0, BLOCK_G)
     head_ok = tl.arange(0, BLOCK_G) < GROUP
     dims = tl.arange(0, HEAD_DIM)
-    if PDL:  # q and the newest key come from the kernel before
-        gdc_wait()
     last = tl.load(positions_ptr + slot)  # keys 0..last are this slot's
     start = split * split_len
     stop = tl.minimum(start + split_len, last + 1)
+    base = slot * stride_ks + kv_head * stride_kh
+    keys = start + tl.arange(0, BLOCK_L)
+    older = (keys < stop) & (keys < last)
+    offsets = base + keys[:, None] * stride_kl + dims[None, :]
+    k = tl.load(k_ptr + offsets, mask=older[:, None], other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offsets, mask=older[:, None], other=0.0).to(tl.float32)
     if PROLOGUE:
         partner = (dims + HEAD_DIM // 2) % HEAD_DIM  # rotate_half pairs d with d + D/2 (its sign is in the sin table)
         cos = tl.load(cos_ptr + last * HEAD_DIM + dims).to(tl.float32)[None, :]
         sin = tl.load(sin_ptr + last * HEAD_DIM + dims).to(tl.float32)[None, :]
+    if PDL:  # q and the newest key come from the kernel before
+        gdc_wait()
+    if PROLOGUE:
         row = slot * stride_qs
         q_heads = tl.where(head_ok, heads, kv_head * GROUP)  # padded rows repeat a real head, never stored
         q = _normed_rotated(row + q_heads[:, None] * HEAD_DIM + dims[None, :], q_ptr,
                             row + q_heads[:, None] * HEAD_DIM + partner[None, :], q_weight_ptr, dims, partner, cos,
                             sin, eps, HEAD_DIM, DTYPE)
         q = tl.where(head_ok[:, None], q, 0.0)
-        if (start <= last) & (last < start + split_len):  # this split holds the new key: append it, then read it
-            k_row = row + (N_Q + kv_head) * HEAD_DIM
-            key = _normed_rotated(k_row + dims[None, :], q_ptr, k_row + partner[None, :], k_weight_ptr, dims,
-                                  partner, cos, sin, eps, HEAD_DIM, DTYPE)
-            entry = slot * stride_ks + kv_head * stride_kh + last * stride_kl
-            tl.store(k_ptr + entry + dims[None, :], key.to(k_ptr.dtype.element_ty))
-            v_row = row + (N_Q + tl.num_programs(1) + kv_head) * HEAD_DIM
-            tl.store(v_ptr + entry + dims, tl.load(q_ptr + v_row + dims))
-            tl.debug_barrier()  # the whole program's stores before its loads of the cache
-    else:
+        k_row = row + (N_Q + kv_head) * HEAD_DIM
+        newest_k = _normed_rotated(k_row + dims[None, :], q_ptr, k_row + partner[None, :], k_weight_ptr, dims,
+                                   partner, cos, sin, eps, HEAD_DIM, DTYPE)  # [1, D]
+        newest_v = tl.load(q_ptr + row + (N_Q + tl.num_programs(1) + kv_head) * HEAD_DIM + dims[None, :])
+        entry = base + last * stride_kl + dims[None, :]
+        holds = (dims[None, :] * 0 + last // split_len) == split  # this split holds the new key: append it
+        tl.store(k_ptr + entry, newest_k.to(k_ptr.dtype.element_ty), mask=holds)
+        tl.store(v_ptr + entry, newest_v, mask=holds)
+        # as the cache holds them, read back
+        newest_k = newest_k.to(k_ptr.dtype.element_ty).to(tl.float32)
+        newest_v = newest_v.to(tl.float32)
+    else:  # appended by the kernel before
         q = tl.load(q_ptr + slot * stride_qs + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None],
                     other=0.0).to(tl.float32)
+        entry = base + last * stride_kl + dims[None, :]
+        newest_k = tl.load(k_ptr + entry).to(tl.float32)
+        newest_v = tl.load(v_ptr + entry).to(tl.float32)
     running_max = tl.full((BLOCK_G,), -float("inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
-    base = slot * stride_ks + kv_head * stride_kh
-    for l0 in range(start, stop, BLOCK_L):
+    if start <= last:  # a split past the slot's last key sees none: -inf, 0, 0 for the combine to drop
+        is_newest = (keys == last)[:, None]
+        running_max, running_sum, acc = _attend_tile(q, tl.where(is_newest, newest_k, k),
+                                                     tl.where(is_newest, newest_v, v), keys < stop, running_max,
+                                                     running_sum, acc, scale, DOT)
+    for l0 in range(start + BLOCK_L, stop, BLOCK_L):  # splits longer than a tile
         keys = l0 + tl.arange(0, BLOCK_L)
         key_ok = keys < stop
         offsets = base + keys[:, None] * stride_kl + dims[None, :]
-        k = tl.load(k_ptr + offsets, mask=key_ok[:, None], other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + offsets, mask=key_ok[:, None], other=0.0).to(tl.float32)
-        if DOT:  # 16 or more query heads share the kv head: a dot's rows are all used
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_L]
-        else:  # a few: broadcast products, no rows padded to a dot's 16
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
-        scores = tl.where(key_ok[None, :], scores, -float("inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        rescale = tl.exp(running_max - new_max)
-        weights = tl.exp(scores - new_max[:, None])
-        running_sum = running_sum * rescale + tl.sum(weights, axis=1)
-        if DOT:
-            acc = acc * rescale[:, None] + tl.dot(weights, v, input_precision="ieee")
-        else:
-            acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
-        running_max = new_max
+        is_newest = (keys == last)[:, None]
+        k = tl.where(is_newest, newest_k, tl.load(k_ptr + offsets, mask=key_ok[:, None] & ~is_newest,
+                                                  other=0.0).to(tl.float32))
+        v = tl.where(is_newest, newest_v, tl.load(v_ptr + offsets, mask=key_ok[:, None] & ~is_newest,
+                                                  other=0.0).to(tl.float32))
+        running_max, running_sum, acc = _attend_tile(q, k, v, key_ok, running_max, running_sum, acc, scale, DOT)
     out = (slot * tl.num_programs(1) * GROUP + heads) * n_splits + split  # [slot, head, split]
     tl.store(max_ptr + out, running_max, mask=head_ok)
     tl.store(sum_ptr + out, running_sum, mask=head_ok)
