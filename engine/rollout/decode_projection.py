@@ -177,53 +177,83 @@ def _weight_tile(w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset, ro
 
 @triton.jit
 def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
-          a_ptr, b_ptr, r, batch, stride_xa, sync_ptr, workers, rows, N, K,
-          eps, DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
+          a_ptr, b_ptr, w1_ptr, absmax1_ptr, absmax2_1_ptr, offset1, a1_ptr, b1_ptr, r, batch, stride_xa, sync_ptr,
+          workers, rows, N, K, eps, residual_ptr, stride_rb, residual_col,
+          DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
           DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
-          WAIT_IN_LOOP: tl.constexpr):
-    """norm(x) @ W[rows].T + (norm(x) @ A.T) @ B[rows].T for BLOCK_B rows of x, float32 [BLOCK_B, BLOCK_N].
-    LORA 1: norm(x) @ A.T along K beside the product, in every program; 2: read from `_lora_down`'s output; 3:
-    read from what this launch's first programs publish, once `sync_ptr` counts `workers` of them.
+          WAIT_IN_LOOP: tl.constexpr, PAIR: tl.constexpr, RESIDUAL: tl.constexpr):
+    """norm(x) @ W[rows].T + (norm(x) @ A.T) @ B[rows].T for BLOCK_B rows of x, float32 [BLOCK_B, BLOCK_N], and
+    with PAIR the same for a second weight's rows (w1...: gate and up), each tile of both read before either is
+    multiplied; else zeros in its place. RESIDUAL: residual[:, residual_col + rows] added last (read before the
+    LoRA's wait). LORA 1: norm(x) @ A.T along K beside the product, in every program; 2: read from `_lora_down`'s
+    output; 3: read from what this launch's first programs publish, once `sync_ptr` counts `workers` of them.
     SWAP: the weight tile is the dot's left operand (`_tile_swapped`). `inv_rms`: as `_normed_x` takes it."""
     if SWAP:
-        acc = _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr,
-                            offset, a_ptr, b_ptr, r, batch, stride_xa, sync_ptr, workers, rows, N, K, eps, DENSE,
-                            NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT,
-                            PDL and WAIT_IN_LOOP)
+        acc, acc1 = _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr,
+                                  code2_ptr, offset, a_ptr, b_ptr, w1_ptr, absmax1_ptr, absmax2_1_ptr, offset1, a1_ptr,
+                                  b1_ptr, r, batch, stride_xa, sync_ptr, workers, rows, N, K, eps, residual_ptr,
+                                  stride_rb, residual_col, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N,
+                                  BLOCK_K, BLOCK_R, PRODUCT, PDL and WAIT_IN_LOOP, PAIR, RESIDUAL)
     else:
-        acc = _tile_rows(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr,
-                         offset, a_ptr, b_ptr, r, batch, stride_xa, sync_ptr, workers, rows, N, K, eps, DENSE,
-                         NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL)
-    return acc
+        acc, acc1 = _tile_rows(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr,
+                               code2_ptr, offset, a_ptr, b_ptr, w1_ptr, absmax1_ptr, absmax2_1_ptr, offset1, a1_ptr,
+                               b1_ptr, r, batch, stride_xa, sync_ptr, workers, rows, N, K, eps, residual_ptr,
+                               stride_rb, residual_col, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K,
+                               BLOCK_R, PRODUCT, PDL, PAIR, RESIDUAL)
+    return acc, acc1
+
+
+@triton.jit
+def _b_tile(b_ptr, rows, row_ok, ranks, r):
+    """B[rows] [BLOCK_N, BLOCK_R] in float32 (B is [N, r], scaled by alpha / r)."""
+    return tl.load(b_ptr + rows[:, None] * r + ranks[None, :], mask=row_ok[:, None] & (ranks[None, :] < r),
+                   other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _tile_rows(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
-               a_ptr, b_ptr, r, batch, stride_xa, sync_ptr, workers, rows, N, K,
-               eps, DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
+               a_ptr, b_ptr, w1_ptr, absmax1_ptr, absmax2_1_ptr, offset1, a1_ptr, b1_ptr, r, batch, stride_xa,
+               sync_ptr, workers, rows, N, K, eps, residual_ptr, stride_rb, residual_col,
+               DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
                DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr):
+               BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr, PAIR: tl.constexpr,
+               RESIDUAL: tl.constexpr):
     """`_tile` with x as the left operand: x [BLOCK_B, BLOCK_K] times the weight tile transposed.
 
-    Each step loads its weight tile before x, so under PDL (broadcast products) the first one is read before the
-    wait; dot loops wait before the loop (`_project`), since Triton pipelines their loads ahead.
+    B's tiles are read first and each step loads its weight tiles before x, so under PDL (broadcast products)
+    they and the first weight tiles are read before the wait; dot loops wait before the loop (`_project`),
+    since Triton pipelines their loads ahead.
     """
     ks = tl.arange(0, BLOCK_K)
     ranks = tl.arange(0, BLOCK_R)
     row_ok = rows < N
     acc = tl.zeros((BLOCK_B, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_B, BLOCK_N), dtype=tl.float32)
     xa = tl.zeros((BLOCK_B, BLOCK_R), dtype=tl.float32)
+    xa1 = tl.zeros((BLOCK_B, BLOCK_R), dtype=tl.float32)
+    if LORA > 0:
+        b_tile = _b_tile(b_ptr, rows, row_ok, ranks, r)
+        if PAIR:
+            b1_tile = _b_tile(b1_ptr, rows, row_ok, ranks, r)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + ks
         col_ok = cols < K
         w = _weight_tile(w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset, rows, row_ok, k0, cols,
                          col_ok, K, DENSE, NESTED, DTYPE, BLOCK_N, BLOCK_K, PRODUCT == 1)
+        if PAIR:
+            w1 = _weight_tile(w1_ptr, absmax1_ptr, absmax2_1_ptr, code_ptr, code2_ptr, offset1, rows, row_ok, k0,
+                              cols, col_ok, K, DENSE, NESTED, DTYPE, BLOCK_N, BLOCK_K, PRODUCT == 1)
         if LORA == 1:  # A is [r, K]
             a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=(ranks[:, None] < r) & col_ok[None, :],
                         other=0.0)
             if PRODUCT != 1:
                 a = a.to(tl.float32)
+            if PAIR:
+                a1 = tl.load(a1_ptr + ranks[:, None] * K + cols[None, :],
+                             mask=(ranks[:, None] < r) & col_ok[None, :], other=0.0)
+                if PRODUCT != 1:
+                    a1 = a1.to(tl.float32)
         gamma = 1.0
         if NORM:
             gamma = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -231,26 +261,40 @@ def _tile_rows(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_p
             gdc_wait()
         x = _normed_x(x_base, batch_ok, cols, col_ok, gamma, inv_rms, K, eps, NORM, BLOCK_K, DTYPE)
         acc += _product(x, w, PRODUCT, DTYPE)
+        if PAIR:
+            acc1 += _product(x, w1, PRODUCT, DTYPE)
         if LORA == 1:
             xa += _product(x, a, PRODUCT, DTYPE)
+            if PAIR:
+                xa1 += _product(x, a1, PRODUCT, DTYPE)
+    if RESIDUAL:
+        residual = tl.load(residual_ptr + batch[:, None].to(tl.int64) * stride_rb + residual_col + rows[None, :],
+                           mask=batch_ok[:, None] & row_ok[None, :], other=0.0).to(tl.float32)
     if LORA >= 2:  # x @ A.T of this launch, computed once: a_ptr is this weight's first column of it
         if LORA == 3:  # by this launch's first programs, published through sync_ptr
             _wait_for_workers(sync_ptr, workers)
         xa = tl.load(a_ptr + batch[:, None].to(tl.int64) * stride_xa + ranks[None, :],
                      mask=batch_ok[:, None] & (ranks[None, :] < r), other=0.0, cache_modifier=".cg")
-    if LORA > 0:  # B is [N, r], scaled by alpha / r
-        b_tile = tl.load(b_ptr + rows[:, None] * r + ranks[None, :], mask=row_ok[:, None] & (ranks[None, :] < r),
-                         other=0.0).to(tl.float32)
+        if PAIR:
+            xa1 = tl.load(a1_ptr + batch[:, None].to(tl.int64) * stride_xa + ranks[None, :],
+                          mask=batch_ok[:, None] & (ranks[None, :] < r), other=0.0, cache_modifier=".cg")
+    if LORA > 0:
         acc += _product(xa, b_tile, 0 if PRODUCT == 1 else PRODUCT, DTYPE)
-    return acc
+        if PAIR:
+            acc1 += _product(xa1, b1_tile, 0 if PRODUCT == 1 else PRODUCT, DTYPE)
+    if RESIDUAL:
+        acc += residual
+    return acc, acc1
 
 
 @triton.jit
 def _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
-                  a_ptr, b_ptr, r, batch, stride_xa, sync_ptr, workers, rows, N, K,
-                  eps, DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
+                  a_ptr, b_ptr, w1_ptr, absmax1_ptr, absmax2_1_ptr, offset1, a1_ptr, b1_ptr, r, batch, stride_xa,
+                  sync_ptr, workers, rows, N, K, eps, residual_ptr, stride_rb, residual_col,
+                  DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
                   DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, WAIT_HERE: tl.constexpr):
+                  BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, WAIT_HERE: tl.constexpr, PAIR: tl.constexpr,
+                  RESIDUAL: tl.constexpr):
     """`_tile` with the weight tile as the left operand: W[rows] [BLOCK_N, BLOCK_K] times x transposed
     [BLOCK_K, BLOCK_B], accumulated as [BLOCK_N, BLOCK_B] and transposed once at the end.
 
@@ -260,18 +304,27 @@ def _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax
     r / BLOCK_N of the weight tile's bytes) instead of a `_lora_down` launch. PRODUCT 1: half-precision
     operands, float32 accumulator; 0: float32 dots (Triton's interpreter, float32 models). WAIT_HERE (PDL
     without software pipelining): wait for the kernel before after the first weight tile is loaded, so that
-    its read overlaps the predecessor's tail, as the broadcast tiles do.
+    its read overlaps the predecessor's tail, as the broadcast tiles do. PAIR: both weights' tiles in one loop.
     """
     ks = tl.arange(0, BLOCK_K)
     ranks = tl.arange(0, BLOCK_R)
     row_ok = rows < N
     acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
     xa = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.float32)
+    xa1 = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.float32)
+    if LORA > 0:
+        b_tile = _b_tile(b_ptr, rows, row_ok, ranks, r)
+        if PAIR:
+            b1_tile = _b_tile(b1_ptr, rows, row_ok, ranks, r)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + ks
         col_ok = cols < K
         w = _weight_tile(w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset, rows, row_ok, k0, cols,
                          col_ok, K, DENSE, NESTED, DTYPE, BLOCK_N, BLOCK_K, PRODUCT == 1)
+        if PAIR:
+            w1 = _weight_tile(w1_ptr, absmax1_ptr, absmax2_1_ptr, code_ptr, code2_ptr, offset1, rows, row_ok, k0,
+                              cols, col_ok, K, DENSE, NESTED, DTYPE, BLOCK_N, BLOCK_K, PRODUCT == 1)
         gamma = 1.0
         if NORM:
             gamma = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -281,25 +334,44 @@ def _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax
         if LORA == 1:
             a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=(ranks[:, None] < r) & col_ok[None, :],
                         other=0.0)
+            if PAIR:
+                a1 = tl.load(a1_ptr + ranks[:, None] * K + cols[None, :],
+                             mask=(ranks[:, None] < r) & col_ok[None, :], other=0.0)
         if PRODUCT == 1:
             half = tl.bfloat16 if DTYPE == 0 else tl.float16
             acc = tl.dot(w.to(half), x.to(half), acc)
+            if PAIR:
+                acc1 = tl.dot(w1.to(half), x.to(half), acc1)
             if LORA == 1:
                 xa = tl.dot(a.to(half), x.to(half), xa)
+                if PAIR:
+                    xa1 = tl.dot(a1.to(half), x.to(half), xa1)
         else:
             acc = tl.dot(w.to(tl.float32), x, acc, input_precision="ieee")
+            if PAIR:
+                acc1 = tl.dot(w1.to(tl.float32), x, acc1, input_precision="ieee")
             if LORA == 1:
                 xa = tl.dot(a.to(tl.float32), x, xa, input_precision="ieee")
+                if PAIR:
+                    xa1 = tl.dot(a1.to(tl.float32), x, xa1, input_precision="ieee")
+    if RESIDUAL:
+        residual = tl.load(residual_ptr + batch[None, :].to(tl.int64) * stride_rb + residual_col + rows[:, None],
+                           mask=batch_ok[None, :] & row_ok[:, None], other=0.0).to(tl.float32)
     if LORA >= 2:
         if LORA == 3:
             _wait_for_workers(sync_ptr, workers)
         xa = tl.load(a_ptr + batch[None, :].to(tl.int64) * stride_xa + ranks[:, None],
                      mask=batch_ok[None, :] & (ranks[:, None] < r), other=0.0, cache_modifier=".cg")
-    if LORA > 0:  # B is [N, r], scaled by alpha / r
-        b_tile = tl.load(b_ptr + rows[:, None] * r + ranks[None, :], mask=row_ok[:, None] & (ranks[None, :] < r),
-                         other=0.0).to(tl.float32)
+        if PAIR:
+            xa1 = tl.load(a1_ptr + batch[None, :].to(tl.int64) * stride_xa + ranks[:, None],
+                          mask=batch_ok[None, :] & (ranks[:, None] < r), other=0.0, cache_modifier=".cg")
+    if LORA > 0:
         acc = tl.dot(b_tile, xa, acc, input_precision="ieee")
-    return tl.trans(acc)
+        if PAIR:
+            acc1 = tl.dot(b1_tile, xa1, acc1, input_precision="ieee")
+    if RESIDUAL:
+        acc += residual
+    return tl.trans(acc), tl.trans(acc1)
 
 
 @triton.jit
@@ -406,44 +478,44 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
         local = tl.arange(0, BLOCK_N)
         if SILU_MUL:  # gate (part 0) and up (part 1), the same rows: SiLU(gate) * up, each rounded as the modules round
             rows = block * BLOCK_N + local
-            gate = round_to_dtype(_tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr,
-                                        code2_ptr, offset0, a0, b0, r, batch, stride_xa, sync_ptr, workers, rows, n0,
-                                        K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R,
-                                        PRODUCT, PDL, SWAP, WAIT_IN_LOOP), DTYPE)
-            up = round_to_dtype(_tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr,
-                                      code2_ptr, offset1, a1, b1, r, batch, stride_xa, sync_ptr, workers, rows, n1, K,
-                                      eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R,
-                                      PRODUCT, PDL, SWAP, WAIT_IN_LOOP), DTYPE)
+            gate, up = _tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr, offset0,
+                             a0, b0, w1, absmax1, absmax2_1, offset1, a1, b1, r, batch, stride_xa, sync_ptr, workers,
+                             rows, n0, K, eps, residual_ptr, stride_rb, 0, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B,
+                             BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP, True, False)
+            gate, up = round_to_dtype(gate, DTYPE), round_to_dtype(up, DTYPE)
             acc = round_to_dtype(gate / (1.0 + tl.exp(-gate)), DTYPE) * up
             _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, rows < n0, residual_ptr, stride_rb, RESIDUAL)
-        else:  # the parts side by side: this program's rows lie in one of them
+        else:  # the parts side by side: this program's rows lie in one of them (the residual read in `_tile`)
             blocks0 = tl.cdiv(n0, BLOCK_N)
             blocks1 = tl.cdiv(n1, BLOCK_N)
             if block < blocks0:
                 rows = block * BLOCK_N + local
-                acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr, offset0,
-                            a0, b0, r, batch, stride_xa, sync_ptr, workers, rows, n0, K, eps, DENSE, NESTED, NORM,
-                            LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP)
-                _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, rows < n0, residual_ptr, stride_rb, RESIDUAL)
+                acc, _ = _tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr,
+                               offset0, a0, b0, w0, absmax0, absmax2_0, offset0, a0, b0, r, batch, stride_xa, sync_ptr,
+                               workers, rows, n0, K, eps, residual_ptr, stride_rb, 0, DENSE, NESTED, NORM, LORA, DTYPE,
+                               BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP, False, RESIDUAL)
+                _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, rows < n0, residual_ptr, stride_rb, False)
             else:
                 if PARTS > 1:
                     if block < blocks0 + blocks1:
                         rows = (block - blocks0) * BLOCK_N + local
-                        acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr, code2_ptr,
-                                    offset1, a1, b1, r, batch, stride_xa, sync_ptr, workers, rows, n1, K, eps, DENSE,
-                                    NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP,
-                                    WAIT_IN_LOOP)
+                        acc, _ = _tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr,
+                                       code2_ptr, offset1, a1, b1, w1, absmax1, absmax2_1, offset1, a1, b1, r, batch,
+                                       stride_xa, sync_ptr, workers, rows, n1, K, eps, residual_ptr, stride_rb, n0,
+                                       DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT,
+                                       PDL, SWAP, WAIT_IN_LOOP, False, RESIDUAL)
                         _store(acc, y_ptr, stride_yb, batch, batch_ok, n0 + rows, rows < n1, residual_ptr, stride_rb,
-                               RESIDUAL)
+                               False)
                     else:
                         if PARTS > 2:
                             rows = (block - blocks0 - blocks1) * BLOCK_N + local
-                            acc = _tile(x_base, batch_ok, inv_rms, norm_ptr, w2, absmax2, absmax2_2, code_ptr,
-                                        code2_ptr, offset2, a2, b2, r, batch, stride_xa, sync_ptr, workers, rows, n2,
-                                        K, eps, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R,
-                                        PRODUCT, PDL, SWAP, WAIT_IN_LOOP)
+                            acc, _ = _tile(x_base, batch_ok, inv_rms, norm_ptr, w2, absmax2, absmax2_2, code_ptr,
+                                           code2_ptr, offset2, a2, b2, w2, absmax2, absmax2_2, offset2, a2, b2, r,
+                                           batch, stride_xa, sync_ptr, workers, rows, n2, K, eps, residual_ptr,
+                                           stride_rb, n0 + n1, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N,
+                                           BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP, False, RESIDUAL)
                             _store(acc, y_ptr, stride_yb, batch, batch_ok, n0 + n1 + rows, rows < n2, residual_ptr,
-                                   stride_rb, RESIDUAL)
+                                   stride_rb, False)
         if LORA == 3:  # every program before the last has passed its wait: the last one zeroes the counters
             finished = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
             if finished == tl.num_programs(0) - workers - 1:
