@@ -16,6 +16,7 @@ Each row also records the greedy tokens' common prefix with the first variant
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import shlex
@@ -47,6 +48,7 @@ VARIANTS = {
     # the step before the prologue moved into the split-key programs: qk_norm_rope_append, then decode_attention
     "separate_prologue": {"separate_prologue": True},
     "separate_both": {"lora_sync": None, "separate_prologue": True},  # both launches back: session 7's step
+    "attention_tile_32": {"attention_block_l": 32},  # the split-key programs read 32 keys a tile at any slot count
     "broadcast_8x1024_once": {"product": 2, "block_n": 8, "block_k": 1024, "once": True},
     "tc_16x256_once": {"product": 1, "block_n": 16, "block_k": 256, "once": True},
     "module": {"kernels": False},
@@ -104,6 +106,8 @@ def bench(model, label: str, slots: int, variants: list[str], args, bandwidth: f
         kernels = options.pop("kernels", True)
         if options.pop("separate_prologue", False):
             fused_step.attend_new_token = two_launch_attention
+        if "attention_block_l" in options:
+            fused_step.attend_new_token = functools.partial(attend_new_token, block_l=options.pop("attention_block_l"))
         fused_step.project = patched_project(original, options)
         try:
             start = time.perf_counter()
