@@ -48,7 +48,13 @@ VARIANTS = {
     # the step before the prologue moved into the split-key programs: qk_norm_rope_append, then decode_attention
     "separate_prologue": {"separate_prologue": True},
     "separate_both": {"lora_sync": None, "separate_prologue": True},  # both launches back: session 7's step
-    "attention_tile_32": {"attention_block_l": 32},  # the split-key programs read 32 keys a tile at any slot count
+    "attention_tile_32": {"attention_block_l": 32},
+    "span_k": {"span_k": True},
+    "no_pair": {"pair": False},  # gate's tiles, then up's, as before session 9
+    "split_2": {"split_k": 2},  # each tile's K over up to 2 programs (project(split_k=...))
+    "split_4": {"split_k": 4},
+    "split_8": {"split_k": 8},
+    "split_4_no_pair": {"split_k": 4, "pair": False},  # broadcast tiles as wide as K: o 4 x 2048, down 2 x 4096 (3072 of it used)  # the split-key programs read 32 keys a tile at any slot count
     "broadcast_8x1024_once": {"product": 2, "block_n": 8, "block_k": 1024, "once": True},
     "tc_16x256_once": {"product": 1, "block_n": 16, "block_k": 256, "once": True},
     "module": {"kernels": False},

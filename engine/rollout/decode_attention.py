@@ -138,15 +138,16 @@ def _split_attention(q_ptr, k_ptr, v_ptr, positions_ptr, max_ptr, sum_ptr, acc_p
                                                      tl.where(is_newest, newest_v, v), keys < stop, running_max,
                                                      running_sum, acc, scale, DOT)
     for l0 in range(start + BLOCK_L, stop, BLOCK_L):  # splits longer than a tile
-        keys = l0 + tl.arange(0, BLOCK_L)
-        key_ok = keys < stop
-        offsets = base + keys[:, None] * stride_kl + dims[None, :]
-        is_newest = (keys == last)[:, None]
-        k = tl.where(is_newest, newest_k, tl.load(k_ptr + offsets, mask=key_ok[:, None] & ~is_newest,
-                                                  other=0.0).to(tl.float32))
-        v = tl.where(is_newest, newest_v, tl.load(v_ptr + offsets, mask=key_ok[:, None] & ~is_newest,
-                                                  other=0.0).to(tl.float32))
-        running_max, running_sum, acc = _attend_tile(q, k, v, key_ok, running_max, running_sum, acc, scale, DOT)
+        later = l0 + tl.arange(0, BLOCK_L)
+        later_ok = later < stop
+        later_offsets = base + later[:, None] * stride_kl + dims[None, :]
+        later_newest = (later == last)[:, None]
+        later_k = tl.load(k_ptr + later_offsets, mask=later_ok[:, None] & ~later_newest, other=0.0)
+        later_v = tl.load(v_ptr + later_offsets, mask=later_ok[:, None] & ~later_newest, other=0.0)
+        running_max, running_sum, acc = _attend_tile(
+            q, tl.where(later_newest, newest_k, later_k.to(tl.float32)),
+            tl.where(later_newest, newest_v, later_v.to(tl.float32)), later_ok, running_max, running_sum, acc, scale,
+            DOT)
     out = (slot * tl.num_programs(1) * GROUP + heads) * n_splits + split  # [slot, head, split]
     tl.store(max_ptr + out, running_max, mask=head_ok)
     tl.store(sum_ptr + out, running_sum, mask=head_ok)

@@ -52,6 +52,8 @@ except ImportError:  # pragma: no cover - an older Triton: the kernels launch wi
 QUANT_BLOCK = 64  # elements per absmax: the only NF4 block size read here
 NESTED_BLOCK = 256  # absmaxes per second-level scale (bitsandbytes' double quantization)
 PRODUCT_DOT32, PRODUCT_TENSOR_CORE, PRODUCT_BROADCAST = 0, 1, 2
+SPAN_K_MAX = 4096  # the widest broadcast tile `project(span_k=True)` takes
+SPLIT_COUNTERS = 4096  # `project(split_counters=...)` entries a call site allocates: tiles x blocks of rows
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -178,7 +180,7 @@ def _weight_tile(w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset, ro
 @triton.jit
 def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
           a_ptr, b_ptr, w1_ptr, absmax1_ptr, absmax2_1_ptr, offset1, a1_ptr, b1_ptr, r, batch, stride_xa, sync_ptr,
-          workers, rows, N, K, eps, residual_ptr, stride_rb, residual_col,
+          workers, rows, N, K, k_lo, k_hi, eps, residual_ptr, stride_rb, residual_col,
           DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
           DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
@@ -192,13 +194,15 @@ def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, c
     if SWAP:
         acc, acc1 = _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr,
                                   code2_ptr, offset, a_ptr, b_ptr, w1_ptr, absmax1_ptr, absmax2_1_ptr, offset1, a1_ptr,
-                                  b1_ptr, r, batch, stride_xa, sync_ptr, workers, rows, N, K, eps, residual_ptr,
+                                  b1_ptr, r, batch, stride_xa, sync_ptr, workers, rows, N, K, k_lo, k_hi, eps,
+                                  residual_ptr,
                                   stride_rb, residual_col, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N,
                                   BLOCK_K, BLOCK_R, PRODUCT, PDL and WAIT_IN_LOOP, PAIR, RESIDUAL)
     else:
         acc, acc1 = _tile_rows(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr,
                                code2_ptr, offset, a_ptr, b_ptr, w1_ptr, absmax1_ptr, absmax2_1_ptr, offset1, a1_ptr,
-                               b1_ptr, r, batch, stride_xa, sync_ptr, workers, rows, N, K, eps, residual_ptr,
+                               b1_ptr, r, batch, stride_xa, sync_ptr, workers, rows, N, K, k_lo, k_hi, eps,
+                               residual_ptr,
                                stride_rb, residual_col, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K,
                                BLOCK_R, PRODUCT, PDL, PAIR, RESIDUAL)
     return acc, acc1
@@ -214,7 +218,7 @@ def _b_tile(b_ptr, rows, row_ok, ranks, r):
 @triton.jit
 def _tile_rows(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
                a_ptr, b_ptr, w1_ptr, absmax1_ptr, absmax2_1_ptr, offset1, a1_ptr, b1_ptr, r, batch, stride_xa,
-               sync_ptr, workers, rows, N, K, eps, residual_ptr, stride_rb, residual_col,
+               sync_ptr, workers, rows, N, K, k_lo, k_hi, eps, residual_ptr, stride_rb, residual_col,
                DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
                DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr, PAIR: tl.constexpr,
@@ -236,7 +240,7 @@ def _tile_rows(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_p
         b_tile = _b_tile(b_ptr, rows, row_ok, ranks, r)
         if PAIR:
             b1_tile = _b_tile(b1_ptr, rows, row_ok, ranks, r)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         cols = k0 + ks
         col_ok = cols < K
         w = _weight_tile(w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset, rows, row_ok, k0, cols,
@@ -290,7 +294,7 @@ def _tile_rows(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_p
 @triton.jit
 def _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
                   a_ptr, b_ptr, w1_ptr, absmax1_ptr, absmax2_1_ptr, offset1, a1_ptr, b1_ptr, r, batch, stride_xa,
-                  sync_ptr, workers, rows, N, K, eps, residual_ptr, stride_rb, residual_col,
+                  sync_ptr, workers, rows, N, K, k_lo, k_hi, eps, residual_ptr, stride_rb, residual_col,
                   DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
                   DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, WAIT_HERE: tl.constexpr, PAIR: tl.constexpr,
@@ -317,7 +321,7 @@ def _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax
         b_tile = _b_tile(b_ptr, rows, row_ok, ranks, r)
         if PAIR:
             b1_tile = _b_tile(b1_ptr, rows, row_ok, ranks, r)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         cols = k0 + ks
         col_ok = cols < K
         w = _weight_tile(w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset, rows, row_ok, k0, cols,
@@ -438,20 +442,106 @@ def _store(acc, y_ptr, stride_yb, batch, batch_ok, columns, column_ok, residual_
 
 
 @triton.jit
+def _split_finish(acc, acc1, ws_ptr, count_ptr, slot_index, kslice, rows, row_ok, batch, batch_ok, a_ptr, b_ptr,
+                  a1_ptr, b1_ptr, r, stride_xa, sync_ptr, workers, residual_ptr, stride_rb, residual_col,
+                  SPLIT_K: tl.constexpr, LORA: tl.constexpr, TWO: tl.constexpr, RESIDUAL: tl.constexpr,
+                  BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Split K: this program's partial product(s) [BLOCK_B, BLOCK_N] (TWO: gate's and up's) into the workspace,
+    then the program that arrives last at the tile's counter sums the SPLIT_K partials in order and adds the
+    LoRA (B's tiles and the residual read before the counter) and the residual; it zeroes the counter for the
+    next launch. Returns ([BLOCK_N] whether this program holds the sums, the sums, the second sums)."""
+    ranks = tl.arange(0, BLOCK_R)
+    cells = tl.arange(0, BLOCK_B)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    size: tl.constexpr = BLOCK_B * BLOCK_N
+    base = ws_ptr + slot_index.to(tl.int64) * (SPLIT_K * 2 * size)
+    if LORA > 0:
+        b_tile = _b_tile(b_ptr, rows, row_ok, ranks, r)
+        if TWO:
+            b1_tile = _b_tile(b1_ptr, rows, row_ok, ranks, r)
+    if RESIDUAL:
+        residual = tl.load(residual_ptr + batch[:, None].to(tl.int64) * stride_rb + residual_col + rows[None, :],
+                           mask=batch_ok[:, None] & row_ok[None, :], other=0.0).to(tl.float32)
+    tl.store(base + kslice * 2 * size + cells, acc)
+    if TWO:
+        tl.store(base + (kslice * 2 + 1) * size + cells, acc1)
+    tl.debug_barrier()  # the whole program's partials before the release
+    arrived = tl.atomic_add(count_ptr + slot_index, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()  # and the last program's reads of them after its acquire
+    last = (cells * 0 + arrived) == SPLIT_K - 1
+    total = tl.zeros((BLOCK_B, BLOCK_N), dtype=tl.float32)
+    total1 = tl.zeros((BLOCK_B, BLOCK_N), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        total += tl.load(base + s * 2 * size + cells, mask=last, other=0.0, cache_modifier=".cg")
+        if TWO:
+            total1 += tl.load(base + (s * 2 + 1) * size + cells, mask=last, other=0.0, cache_modifier=".cg")
+    if LORA > 0:
+        if LORA == 3:
+            if arrived == SPLIT_K - 1:
+                _wait_for_workers(sync_ptr, workers)
+        xa_ok = batch_ok[:, None] & (ranks[None, :] < r) & ((ranks[None, :] * 0 + arrived) == SPLIT_K - 1)
+        xa = tl.load(a_ptr + batch[:, None].to(tl.int64) * stride_xa + ranks[None, :], mask=xa_ok, other=0.0,
+                     cache_modifier=".cg")
+        total += _product(xa, b_tile, 2, 0)
+        if TWO:
+            xa1 = tl.load(a1_ptr + batch[:, None].to(tl.int64) * stride_xa + ranks[None, :], mask=xa_ok, other=0.0,
+                          cache_modifier=".cg")
+            total1 += _product(xa1, b1_tile, 2, 0)
+    if RESIDUAL:
+        total += residual
+    if arrived == SPLIT_K - 1:
+        tl.atomic_xchg(count_ptr + slot_index, 0, sem="relaxed", scope="gpu")
+    return (rows * 0 + arrived) == SPLIT_K - 1, total, total1
+
+
+@triton.jit
+def _part(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset, a_ptr,
+          b_ptr, r, batch, stride_xa, sync_ptr, workers, rows, N, col0, K, k_lo, k_hi, eps, y_ptr, stride_yb,
+          residual_ptr, stride_rb, ws_ptr, count_ptr, slot_index, kslice,
+          DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
+          DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
+          WAIT_IN_LOOP: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr):
+    """One weight's rows of a side-by-side launch into y[:, col0 + rows] (+ residual): the tile, and with SPLIT_K
+    its partial over K until the last program of the tile sums them (the LoRA and residual applied there)."""
+    if SPLIT_K > 1:
+        acc, _ = _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr,
+                       offset, a_ptr, b_ptr, w_ptr, absmax_ptr, absmax2_ptr, offset, a_ptr, b_ptr, r, batch, stride_xa,
+                       sync_ptr, workers, rows, N, K, k_lo, k_hi, eps, residual_ptr, stride_rb, col0, DENSE, NESTED,
+                       NORM, 0, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP, False,
+                       False)
+        done, acc, _ = _split_finish(acc, acc, ws_ptr, count_ptr, slot_index, kslice, rows, rows < N, batch,
+                                     batch_ok, a_ptr, b_ptr, a_ptr, b_ptr, r, stride_xa, sync_ptr, workers,
+                                     residual_ptr, stride_rb, col0, SPLIT_K, LORA, False, RESIDUAL, BLOCK_B, BLOCK_N,
+                                     BLOCK_R)
+        _store(acc, y_ptr, stride_yb, batch, batch_ok, col0 + rows, (rows < N) & done, residual_ptr, stride_rb, False)
+    else:
+        acc, _ = _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr,
+                       offset, a_ptr, b_ptr, w_ptr, absmax_ptr, absmax2_ptr, offset, a_ptr, b_ptr, r, batch, stride_xa,
+                       sync_ptr, workers, rows, N, K, k_lo, k_hi, eps, residual_ptr, stride_rb, col0, DENSE, NESTED,
+                       NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP, False,
+                       RESIDUAL)
+        _store(acc, y_ptr, stride_yb, batch, batch_ok, col0 + rows, rows < N, residual_ptr, stride_rb, False)
+
+
+@triton.jit
 def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
              w0, absmax0, absmax2_0, offset0, a0, b0, n0,
              w1, absmax1, absmax2_1, offset1, a1, b1, n1,
              w2, absmax2, absmax2_2, offset2, a2, b2, n2,
              y_ptr, stride_yb, residual_ptr, stride_rb, stride_xa, a_stacked_ptr, xa_ptr, sync_ptr, workers,
+             ws_ptr, count_ptr, k_split,
              PARTS: tl.constexpr, SILU_MUL: tl.constexpr, DENSE: tl.constexpr, NESTED: tl.constexpr,
              NORM: tl.constexpr, LORA: tl.constexpr, RESIDUAL: tl.constexpr, DTYPE: tl.constexpr,
              BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
              PRODUCT: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr, WAIT_IN_LOOP: tl.constexpr,
-             DOWN_B: tl.constexpr, DOWN_R: tl.constexpr):
+             DOWN_B: tl.constexpr, DOWN_R: tl.constexpr, DOWN_K: tl.constexpr, PAIR: tl.constexpr,
+             SPLIT_K: tl.constexpr):
     """One launch's programs over 1-3 weights (`project`). With LORA 3 the first `workers` programs compute
     norm(x) @ A.T for the whole launch (`_lora_down`'s work, as `_lora_down` splits it) and publish it through
     sync_ptr [2] (published count, finished programs); the others read it after their weight tiles. The last
-    program to finish zeroes sync_ptr for the next launch (a CUDA graph replays the same counters)."""
+    program to finish zeroes sync_ptr for the next launch (a CUDA graph replays the same counters). SPLIT_K:
+    each tile's K split over that many programs (`_split_finish`, counters `count_ptr`, partials `ws_ptr`);
+    PAIR: gate's and up's tiles in one loop rather than one after the other."""
     if PDL:
         gdc_launch_dependents()
         if PRODUCT != 2 and not WAIT_IN_LOOP:  # pipelined dot loops would move their first loads of x above a
@@ -460,7 +550,7 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
     if LORA == 3 and block < workers:
         chunks = tl.cdiv(stride_xa, DOWN_R)
         _lora_down_rows(x_ptr, stride_xb, B, K, norm_ptr, eps, a_stacked_ptr, stride_xa, xa_ptr, block % chunks,
-                        block // chunks, NORM, DTYPE, DOWN_B, DOWN_R, BLOCK_K, PDL)
+                        block // chunks, NORM, DTYPE, DOWN_B, DOWN_R, DOWN_K, PDL)
         tl.debug_barrier()  # the whole program's stores before the release
         tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
     else:
@@ -476,46 +566,69 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
                     gdc_wait()
                 inv_rms = _inverse_rms(x_base, batch_ok, K, eps, BLOCK_B, BLOCK_K)
         local = tl.arange(0, BLOCK_N)
+        kslice = 0
+        if SPLIT_K > 1:  # SPLIT_K programs a tile, each over k_split columns of K
+            kslice = block % SPLIT_K
+            block = block // SPLIT_K
+        k_lo = kslice * k_split
+        k_hi = tl.minimum(K, k_lo + k_split)
+        slot_index = tl.program_id(1) * ((tl.num_programs(0) - workers) // SPLIT_K) + block
         if SILU_MUL:  # gate (part 0) and up (part 1), the same rows: SiLU(gate) * up, each rounded as the modules round
             rows = block * BLOCK_N + local
-            gate, up = _tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr, offset0,
-                             a0, b0, w1, absmax1, absmax2_1, offset1, a1, b1, r, batch, stride_xa, sync_ptr, workers,
-                             rows, n0, K, eps, residual_ptr, stride_rb, 0, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B,
-                             BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP, True, False)
+            TILE_LORA: tl.constexpr = LORA if SPLIT_K == 1 else 0
+            if PAIR:
+                gate, up = _tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr,
+                                 offset0, a0, b0, w1, absmax1, absmax2_1, offset1, a1, b1, r, batch, stride_xa,
+                                 sync_ptr, workers, rows, n0, K, k_lo, k_hi, eps, residual_ptr, stride_rb, 0, DENSE,
+                                 NESTED, NORM, TILE_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL,
+                                 SWAP, WAIT_IN_LOOP, True, False)
+            else:
+                gate, _ = _tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr,
+                                offset0, a0, b0, w0, absmax0, absmax2_0, offset0, a0, b0, r, batch, stride_xa,
+                                sync_ptr, workers, rows, n0, K, k_lo, k_hi, eps, residual_ptr, stride_rb, 0, DENSE,
+                                NESTED, NORM, TILE_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL,
+                                SWAP, WAIT_IN_LOOP, False, False)
+                up, _ = _tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr, code2_ptr,
+                              offset1, a1, b1, w1, absmax1, absmax2_1, offset1, a1, b1, r, batch, stride_xa,
+                              sync_ptr, workers, rows, n1, K, k_lo, k_hi, eps, residual_ptr, stride_rb, 0, DENSE,
+                              NESTED, NORM, TILE_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL,
+                              SWAP, WAIT_IN_LOOP, False, False)
+            done = rows >= 0
+            if SPLIT_K > 1:
+                done, gate, up = _split_finish(gate, up, ws_ptr, count_ptr, slot_index, kslice, rows, rows < n0,
+                                               batch, batch_ok, a0, b0, a1, b1, r, stride_xa, sync_ptr, workers,
+                                               residual_ptr, stride_rb, 0, SPLIT_K, LORA, True, False, BLOCK_B,
+                                               BLOCK_N, BLOCK_R)
             gate, up = round_to_dtype(gate, DTYPE), round_to_dtype(up, DTYPE)
             acc = round_to_dtype(gate / (1.0 + tl.exp(-gate)), DTYPE) * up
-            _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, rows < n0, residual_ptr, stride_rb, RESIDUAL)
+            _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, (rows < n0) & done, residual_ptr, stride_rb,
+                   RESIDUAL)
         else:  # the parts side by side: this program's rows lie in one of them (the residual read in `_tile`)
             blocks0 = tl.cdiv(n0, BLOCK_N)
             blocks1 = tl.cdiv(n1, BLOCK_N)
             if block < blocks0:
-                rows = block * BLOCK_N + local
-                acc, _ = _tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr,
-                               offset0, a0, b0, w0, absmax0, absmax2_0, offset0, a0, b0, r, batch, stride_xa, sync_ptr,
-                               workers, rows, n0, K, eps, residual_ptr, stride_rb, 0, DENSE, NESTED, NORM, LORA, DTYPE,
-                               BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP, False, RESIDUAL)
-                _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, rows < n0, residual_ptr, stride_rb, False)
+                _part(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr, offset0, a0,
+                      b0, r, batch, stride_xa, sync_ptr, workers, block * BLOCK_N + local, n0, 0, K, k_lo, k_hi, eps,
+                      y_ptr, stride_yb, residual_ptr, stride_rb, ws_ptr, count_ptr, slot_index, kslice, DENSE,
+                      NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP,
+                      WAIT_IN_LOOP, RESIDUAL, SPLIT_K)
             else:
                 if PARTS > 1:
                     if block < blocks0 + blocks1:
-                        rows = (block - blocks0) * BLOCK_N + local
-                        acc, _ = _tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr,
-                                       code2_ptr, offset1, a1, b1, w1, absmax1, absmax2_1, offset1, a1, b1, r, batch,
-                                       stride_xa, sync_ptr, workers, rows, n1, K, eps, residual_ptr, stride_rb, n0,
-                                       DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT,
-                                       PDL, SWAP, WAIT_IN_LOOP, False, RESIDUAL)
-                        _store(acc, y_ptr, stride_yb, batch, batch_ok, n0 + rows, rows < n1, residual_ptr, stride_rb,
-                               False)
+                        _part(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr, code2_ptr,
+                              offset1, a1, b1, r, batch, stride_xa, sync_ptr, workers,
+                              (block - blocks0) * BLOCK_N + local, n1, n0, K, k_lo, k_hi, eps, y_ptr, stride_yb,
+                              residual_ptr, stride_rb, ws_ptr, count_ptr, slot_index, kslice, DENSE, NESTED, NORM,
+                              LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP,
+                              RESIDUAL, SPLIT_K)
                     else:
                         if PARTS > 2:
-                            rows = (block - blocks0 - blocks1) * BLOCK_N + local
-                            acc, _ = _tile(x_base, batch_ok, inv_rms, norm_ptr, w2, absmax2, absmax2_2, code_ptr,
-                                           code2_ptr, offset2, a2, b2, w2, absmax2, absmax2_2, offset2, a2, b2, r,
-                                           batch, stride_xa, sync_ptr, workers, rows, n2, K, eps, residual_ptr,
-                                           stride_rb, n0 + n1, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N,
-                                           BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP, False, RESIDUAL)
-                            _store(acc, y_ptr, stride_yb, batch, batch_ok, n0 + n1 + rows, rows < n2, residual_ptr,
-                                   stride_rb, False)
+                            _part(x_base, batch_ok, inv_rms, norm_ptr, w2, absmax2, absmax2_2, code_ptr, code2_ptr,
+                                  offset2, a2, b2, r, batch, stride_xa, sync_ptr, workers,
+                                  (block - blocks0 - blocks1) * BLOCK_N + local, n2, n0 + n1, K, k_lo, k_hi, eps,
+                                  y_ptr, stride_yb, residual_ptr, stride_rb, ws_ptr, count_ptr, slot_index, kslice,
+                                  DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL,
+                                  SWAP, WAIT_IN_LOOP, RESIDUAL, SPLIT_K)
         if LORA == 3:  # every program before the last has passed its wait: the last one zeroes the counters
             finished = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
             if finished == tl.num_programs(0) - workers - 1:
@@ -587,6 +700,8 @@ class Tiles:
     swap: bool = False
     num_stages: int | None = None
     a_per_program: bool = False
+    split_k: int = 1  # programs a tile along K (`project(split_k=...)`), where the caller gives counters
+    pair: bool = True  # gate's and up's tiles in one loop
 
 
 def tile_config(batch: int, on_gpu: bool, dense: bool = False) -> Tiles:
@@ -610,7 +725,8 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
             block_k: int | None = None, product: int | None = None, num_warps: int = 4,
             num_stages: int | None = None, lora_a_stacked: torch.Tensor | None = None,
             swap: bool | None = None, a_per_program: bool | None = None,
-            lora_sync: torch.Tensor | None = None) -> torch.Tensor:
+            lora_sync: torch.Tensor | None = None, span_k: bool = False, split_k: int | None = None,
+            split_counters: torch.Tensor | None = None, pair: bool | None = None) -> torch.Tensor:
     """norm(x) through 1-3 weights of one kind: side by side -> [B, sum N] (+ residual), or with `silu_mul`
     (two weights, gate then up) SiLU(gate) * up -> [B, N].
 
@@ -623,6 +739,14 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     `lora_sync`: int32 [2] zeros on x's device, owned by this call site (a CUDA graph replays it), and left zeroed:
     with it `_lora_down`'s programs run as the first programs of the projection's own launch, one launch instead
     of two, where the launch covers x in one block of rows.
+    `span_k` (broadcast products): one tile as wide as K (up to `SPAN_K_MAX`) with as many fewer weight rows,
+    the same elements a tile, so that every program's weights are read in one step, before PDL's wait.
+    `split_k` (None: the tiles' choice): each tile's K split over up to that many programs, their float32
+    partials summed in order by the last of them, which adds the LoRA (x @ A.T computed once, whatever
+    `a_per_program` says) and the residual; it needs `split_counters`, int32 zeros on x's device with one entry a
+    tile (`SPLIT_COUNTERS` covers the decoder's launches), owned by the call site and left zeroed, and
+    `lora_a_stacked` where the weights carry LoRA; without them K is not split. `pair` (None: the tiles' choice):
+    gate's and up's weight tiles in one loop.
     """
     k = weights[0].k
     default = tile_config(x.shape[0], x.is_cuda, weights[0].dense)
@@ -634,8 +758,19 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     swap = default.swap if swap is None else swap
     num_stages = default.num_stages if num_stages is None else num_stages
     a_per_program = default.a_per_program if a_per_program is None else a_per_program
+    split_k = default.split_k if split_k is None else split_k
+    pair = default.pair if pair is None else pair
+    rank = 0 if weights[0].lora_a is None else weights[0].lora_a.shape[0]
+    if split_counters is None or (rank and lora_a_stacked is None):
+        split_k = 1
+    if split_k > 1:
+        a_per_program = False
     if a_per_program:
         lora_a_stacked = None
+    if span_k and product == PRODUCT_BROADCAST and triton.next_power_of_2(k) > block_k:
+        wide = min(SPAN_K_MAX, triton.next_power_of_2(k))
+        block_n, block_k = max(1, block_n * block_k // wide), wide
+    down_k = min(block_k, 1024)  # x @ A.T's programs: 8 ranks of A a program, at most 8 x 1024 in registers
     block_k = min(block_k, max(QUANT_BLOCK, triton.next_power_of_2(k)))  # no tile wider than K needs
     if block_k % QUANT_BLOCK or block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two multiple of {QUANT_BLOCK}; got {block_k}")
@@ -696,7 +831,7 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
             _lora_down[down_grid](
                 x, x.stride(0), batch, k, norm_weight if norm_weight is not None else x, eps, lora_a_stacked,
                 stride_xa, xa, NORM=norm_weight is not None, DTYPE=dtype_code(x.dtype), BLOCK_B=down_b,
-                BLOCK_R=down_r, BLOCK_K=block_k, **options)
+                BLOCK_R=down_r, BLOCK_K=min(down_k, block_k), **options)
 
     flat = []
     a_of += [a_of[-1]] * (3 - len(weights))
@@ -706,18 +841,32 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
                  w.offset, unused if a_of[i] is None else a_of[i], unused if w.lora_b is None else w.lora_b,
                  w.n if i < len(weights) else 0]
     blocks = triton.cdiv(width, block_n) if silu_mul else sum(triton.cdiv(w.n, block_n) for w in weights)
-    grid = (workers + blocks, triton.cdiv(batch, block_b))
+    k_tiles = triton.cdiv(k, block_k)
+    k_split = triton.cdiv(k_tiles, max(1, min(split_k, k_tiles))) * block_k  # columns a program, whole tiles
+    split_k = triton.cdiv(k, k_split)
+    batch_blocks = triton.cdiv(batch, block_b)
+    ws = counters = y
+    if split_k > 1:
+        if split_counters.dtype != torch.int32 or split_counters.device != x.device \
+                or split_counters.numel() < blocks * batch_blocks:
+            raise ValueError(f"split_counters must be int32 on {x.device} with at least {blocks * batch_blocks} "
+                             f"entries; got {split_counters.dtype} {tuple(split_counters.shape)}")
+        counters = split_counters
+        ws = torch.empty(blocks * batch_blocks * split_k * 2 * block_b * block_n, dtype=torch.float32,
+                         device=x.device)
+    grid = (workers + blocks * split_k, batch_blocks)
     code = first.code if first.code is not None else x
     code2 = first.code2 if first.code2 is not None else x
     _project[grid](
         x, x.stride(0), batch, k, norm_weight if norm_weight is not None else x, eps, code, code2, rank, *flat,
         y, y.stride(0), residual if residual is not None else y, 0 if residual is None else residual.stride(0),
         stride_xa, x if a_stacked is None else a_stacked, y if xa is None else xa,
-        y if lora_sync is None else lora_sync, workers,
+        y if lora_sync is None else lora_sync, workers, ws, counters, k_split,
         PARTS=len(weights), SILU_MUL=silu_mul, DENSE=first.dense, NESTED=first.nested, NORM=norm_weight is not None,
         LORA=lora, RESIDUAL=residual is not None, DTYPE=dtype_code(x.dtype),
         BLOCK_B=block_b, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, triton.next_power_of_2(max(rank, 1))),
         PRODUCT=product, SWAP=swap, WAIT_IN_LOOP=swap and num_stages == 1, DOWN_B=down_b, DOWN_R=down_r,
+        DOWN_K=min(down_k, block_k), PAIR=pair, SPLIT_K=split_k,
         num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}), **options)
     return y

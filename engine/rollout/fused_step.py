@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from miniverl.engine.rollout.decode_attention import attend_new_token
-from miniverl.engine.rollout.decode_projection import Weight, project, stack_lora_a
+from miniverl.engine.rollout.decode_projection import SPLIT_COUNTERS, Weight, project, stack_lora_a
 
 
 AUTO_MAX_SLOTS = {"nf4": 8, "dense": 8}  # the most slots at which `rollout.engine: auto` takes the kernel step
@@ -96,6 +96,8 @@ def plan_layers(body: torch.nn.Module, dtype: torch.dtype, lora_parts, dense_of=
             **groups, **{f"{name}_a": stack_lora_a(group) for name, group in groups.items()},
             # each launch's counters for x @ A.T computed inside it (`project(lora_sync=...)`), left zeroed
             **{f"{name}_sync": torch.zeros(2, dtype=torch.int32, device=device) for name in groups},
+            # and for K split across programs (`project(split_k=...)`), one a tile
+            **{f"{name}_split": torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device) for name in groups},
             "input_norm": layer.input_layernorm, "post_norm": layer.post_attention_layernorm,
             "q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight, "qk_eps": attn.q_norm.variance_epsilon,
         })
@@ -119,13 +121,15 @@ def decode_step(decoder, fused: list[dict]) -> torch.Tensor:
     for index, f in enumerate(fused):
         norm = f["input_norm"]
         qkv = project(h, f["qkv"], norm_weight=norm.weight, eps=norm.variance_epsilon, lora_a_stacked=f["qkv_a"],
-                      lora_sync=f["qkv_sync"])
+                      lora_sync=f["qkv_sync"], split_counters=f["qkv_split"])
         attended = attend_new_token(qkv, f["q_norm"], f["k_norm"], f["qk_eps"], cos, sin, positions_S,
                                     decoder.k_cache[index], decoder.v_cache[index])
-        h = project(attended.view(S, -1), f["o"], residual=h, lora_a_stacked=f["o_a"], lora_sync=f["o_sync"])
+        h = project(attended.view(S, -1), f["o"], residual=h, lora_a_stacked=f["o_a"], lora_sync=f["o_sync"],
+                    split_counters=f["o_split"])
         norm = f["post_norm"]
         act = project(h, f["gate_up"], norm_weight=norm.weight, eps=norm.variance_epsilon, silu_mul=True,
-                      lora_a_stacked=f["gate_up_a"], lora_sync=f["gate_up_sync"])
-        h = project(act, f["down"], residual=h, lora_a_stacked=f["down_a"], lora_sync=f["down_sync"])
+                      lora_a_stacked=f["gate_up_a"], lora_sync=f["gate_up_sync"], split_counters=f["gate_up_split"])
+        h = project(act, f["down"], residual=h, lora_a_stacked=f["down_a"], lora_sync=f["down_sync"],
+                    split_counters=f["down_split"])
     final = decoder.body.norm
     return decoder.lm_head(F.rms_norm(h, final.weight.shape, final.weight, final.variance_epsilon))

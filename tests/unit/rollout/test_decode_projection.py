@@ -198,6 +198,78 @@ def test_swapped_tiles_silu_mul_and_residual(kind: str, product: int, stacked: b
     test_gate_up_silu_mul_and_residual(kind, product, stacked, swap=True)
 
 
+@pytest.mark.parametrize("kind", ["nf4", "dense"])
+@pytest.mark.parametrize("product,swap", [(p, False) for p in PRODUCTS] + [(p, True) for p in DOT_PRODUCTS])
+@pytest.mark.parametrize("batch", [1, 17])
+def test_k_split_across_programs_is_the_same_projection(kind: str, product: int, swap: bool, batch: int):
+    """split_k: each tile's K over several programs, the last of them summing the partials and adding LoRA and
+    residual: against float64 for three weights with a norm, SiLU·mul and a residual (x @ A.T in the launch's own
+    programs), close to the unsplit launch, the counters left zeroed for the next launch (twice over the same
+    counters), and each tile's counter counts two programs at split 2 (so the split did happen)."""
+    gen = torch.Generator().manual_seed(5 + batch)
+    k, eps = 192, 1e-6  # three 64-column tiles: split 2 takes two and one, split 4 one each
+    qkv = [make(kind, n, k, 8, gen) for n in (96, 40, 40)]
+    gate, up = make(kind, 64, k, 8, gen), make(kind, 64, k, 8, gen)
+    down = make(kind, 48, k, 8, gen)
+    x, gamma, residual = draw(gen, batch, k, s=3.0), draw(gen, k, s=0.5), draw(gen, batch, 48, s=2.0)
+    x64 = normed64(x, gamma, eps)
+    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    sync = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    tiles = {"product": product, "block_n": 16, "block_k": 64, "swap": swap}
+    launches = [
+        ([w for w, *_ in qkv], {"norm_weight": gamma, "eps": eps},
+         torch.cat([linear64(x64, used, a, b) for _, used, a, b in qkv], dim=1), x),
+        ([gate[0], up[0]], {"norm_weight": gamma, "eps": eps, "silu_mul": True},
+         linear64(x64, gate[1], gate[2], gate[3]) * torch.sigmoid(linear64(x64, gate[1], gate[2], gate[3]))
+         * linear64(x64, up[1], up[2], up[3]), x),
+        ([down[0]], {"residual": residual},
+         residual.double().cpu() + linear64(x.double().cpu(), down[1], down[2], down[3]), x),
+    ]
+    for split, repeats in ((2, 2), (4, 1)):
+        for weights, options, want, inputs in launches:
+            whole = project(inputs, weights, **options, **tiles, lora_a_stacked=stack_lora_a(weights),
+                            lora_sync=sync)
+            for _ in range(repeats):
+                got = project(inputs, weights, **options, **tiles, lora_a_stacked=stack_lora_a(weights),
+                              lora_sync=sync, split_k=split, split_counters=counters)
+                assert rel(got, want) <= 1e-2 and rel(got, whole.double().cpu()) <= 1e-2
+                assert not counters.any() and sync.tolist() == [0, 0]
+    held = torch.full((64,), 100, dtype=torch.int32, device=DEVICE)  # no program is ever last: nothing resets them
+    project(x, [down[0]], residual=residual, **tiles, lora_a_stacked=stack_lora_a([down[0]]), split_k=2,
+            split_counters=held)
+    tiles_used = 3 * ((batch + 15) // 16)  # 48 rows / 16 a tile, times the blocks of 16 rows of x
+    assert held[:tiles_used].tolist() == [102] * tiles_used and (held[tiles_used:] == 100).all()  # 2 programs each
+    with pytest.raises(ValueError, match="split_counters"):
+        project(x, [down[0]], residual=residual, **tiles, lora_a_stacked=stack_lora_a([down[0]]), split_k=2,
+                split_counters=torch.zeros(1, dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.parametrize("kind", ["nf4", "dense"])
+@pytest.mark.parametrize("product", PRODUCTS)
+def test_gate_and_up_in_one_loop_are_the_two_loops_bit_for_bit(kind: str, product: int):
+    """pair: gate's and up's weight tiles read in one loop give the same bits as gate's loop, then up's."""
+    gen = torch.Generator().manual_seed(9)
+    gate, up = make(kind, 64, 192, 8, gen)[0], make(kind, 64, 192, 8, gen)[0]
+    x, gamma = draw(gen, 5, 192, s=3.0), draw(gen, 192, s=0.5)
+    for stacked in (None, stack_lora_a([gate, up])):
+        one, two = (project(x, [gate, up], norm_weight=gamma, silu_mul=True, product=product, block_n=16,
+                            block_k=64, lora_a_stacked=stacked, pair=pair) for pair in (True, False))
+        assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "dense"])
+def test_a_broadcast_tile_as_wide_as_k_is_the_same_projection(kind: str):
+    """span_k: broadcast tiles as wide as K (64 x 2 for K 192 here: 256 columns, 64 of them masked) against
+    float64."""
+    gen = torch.Generator().manual_seed(13)
+    down, d64, da, db = make(kind, 48, 192, 8, gen)
+    x, residual = draw(gen, 3, 192, s=2.0), draw(gen, 3, 48, s=2.0)
+    got = project(x, [down], residual=residual, product=2, block_n=8, block_k=64, span_k=True,
+                  lora_a_stacked=stack_lora_a([down]), lora_sync=torch.zeros(2, dtype=torch.int32, device=DEVICE))
+    want = residual.double().cpu() + linear64(x.double().cpu(), d64, da, db)
+    assert rel(got, want) <= 4e-3 and rel(got, want - residual.double().cpu()) > 0.1
+
+
 def test_refuses_mixed_launches():
     gen = torch.Generator().manual_seed(0)
     nf4, *_ = make("nf4", 32, 64, 4, gen)
