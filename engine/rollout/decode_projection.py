@@ -708,15 +708,17 @@ def tile_config(batch: int, on_gpu: bool, dense: bool = False) -> Tiles:
     """The tiles for a launch over `batch` rows of x, from the whole replayed step on one H200
     (benchmarks/results/decode_step_sweep_h200.md): NF4 up to 8 rows, and any weights at one row, broadcast
     sums over 8-row weight tiles 1024 wide (many programs, each weight load issued before the wait on the
-    previous launch); dense weights from 2 rows, swapped tensor-core tiles 32 x 256 over 3 stages with x @ A.T
-    in every program (2.36 ms against 3.45 for the unswapped tiles and 2.78 for the module step at 8 bf16
-    rows); past 8 rows tensor-core tiles."""
+    previous launch), K split over up to 4 programs where it is wider (o_proj and down_proj: every program's
+    weights read before the wait), gate's and up's tiles in one loop; dense weights from 2 rows, swapped
+    tensor-core tiles 32 x 256 over 3 stages with x @ A.T in every program, gate's loop then up's (2.36 ms
+    against 3.45 for the unswapped tiles and 2.78 for the module step at 8 bf16 rows in session 7; split K and
+    one loop for gate and up were slower there in session 9); past 8 rows tensor-core tiles."""
     if not on_gpu:  # Triton's interpreter runs programs one by one in Python: the fewest, largest tiles
         return Tiles(PRODUCT_DOT32, 64, 1024)
     if dense and batch > 1:
-        return Tiles(PRODUCT_TENSOR_CORE, 32, 256, swap=True, num_stages=3, a_per_program=True)
+        return Tiles(PRODUCT_TENSOR_CORE, 32, 256, swap=True, num_stages=3, a_per_program=True, pair=False)
     if batch <= 8:
-        return Tiles(PRODUCT_BROADCAST, 8, 1024)
+        return Tiles(PRODUCT_BROADCAST, 8, 1024, split_k=4)
     return Tiles(PRODUCT_TENSOR_CORE, 32, 256)
 
 

@@ -111,7 +111,8 @@ def test_x_times_a_once_per_launch_is_the_same_projection(kind: str, batch: int)
 @pytest.mark.parametrize("batch", [1, 8, 17])
 def test_the_tiles_a_gpu_takes_are_the_same_projection(kind: str, batch: int):
     """Each launch `tile_config` picks on a GPU (in the interpreter float32 dots for tensor-core ones), with the A
-    matrices stacked as fused_step passes them: against float64, and A per program where the tiles say so."""
+    matrices stacked as fused_step passes them: against float64, and A per program where the tiles say so (the
+    tiles at most 128 wide, so that K 256 is split where the tiles split it)."""
     gen = torch.Generator().manual_seed(batch)
     k, eps = 256, 1e-6
     parts = [make(kind, n, k, 8, gen) for n in (96, 40, 40)]
@@ -120,11 +121,14 @@ def test_the_tiles_a_gpu_takes_are_the_same_projection(kind: str, batch: int):
     tiles = tile_config(batch, on_gpu=True, dense=kind == "dense")
     assert tiles.swap == (kind == "dense" and batch > 1)  # swapped tensor-core tiles: dense weights past one row
     product = tiles.product if tiles.product in PRODUCTS else 0  # the interpreter's dot for a tensor-core one
+    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
     y = project(x, weights, norm_weight=gamma, eps=eps, product=product, block_n=tiles.block_n,
-                block_k=tiles.block_k, swap=tiles.swap, num_stages=tiles.num_stages,
-                a_per_program=tiles.a_per_program, lora_a_stacked=stack_lora_a(weights))
+                block_k=min(tiles.block_k, 128), swap=tiles.swap, num_stages=tiles.num_stages,
+                a_per_program=tiles.a_per_program, lora_a_stacked=stack_lora_a(weights), split_k=tiles.split_k,
+                split_counters=counters, lora_sync=torch.zeros(2, dtype=torch.int32, device=DEVICE))
     x64 = normed64(x, gamma, eps)
     assert rel(y, torch.cat([linear64(x64, used, a, b) for _, used, a, b in parts], dim=1)) <= 4e-3
+    assert not counters.any()
 
 
 @pytest.mark.parametrize("kind", ["nf4", "dense"])
