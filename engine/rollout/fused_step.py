@@ -29,7 +29,12 @@ programmatic dependent launch where the GPU has it (compute capability 9 on).
 With the six launches a layer (benchmarks/results/decode_step_sweep_h200.md,
 session 8): bf16 1.14-1.15 ms at one slot, 2.30-2.32 at eight; NF4 1.51-1.52
 and 3.81-3.83, against 1.16-1.17, 2.36, 1.59 and 3.96 for the eleven before it
-in the same runs.
+in the same runs. Session 9 (the same file): the split-key programs read the
+older keys before PDL's wait, B's tiles and the residual are read early, gate
+and up share a loop on broadcast tiles, and o_proj's and down_proj's K is split
+over programs (`SPLIT_COUNTERS` counters a launch): bf16 1.01 / 2.00 ms at one /
+eight slots, NF4 1.33 / 3.12, the dense copy 0.72 / 1.69, against 1.16 / 2.31,
+1.52 / 3.84 and 0.82 / 1.76 for session 8's step in the same run.
 """
 
 from __future__ import annotations
