@@ -103,6 +103,7 @@ def _split_attention(q_ptr, k_ptr, v_ptr, positions_ptr, max_ptr, sum_ptr, acc_p
         partner = (dims + HEAD_DIM // 2) % HEAD_DIM  # rotate_half pairs d with d + D/2 (its sign is in the sin table)
         cos = tl.load(cos_ptr + last * HEAD_DIM + dims).to(tl.float32)[None, :]
         sin = tl.load(sin_ptr + last * HEAD_DIM + dims).to(tl.float32)[None, :]
+    entry = base + last * stride_kl + dims[None, :]  # the newest key's and value's place in the caches
     if PDL:  # q and the newest key come from the kernel before
         gdc_wait()
     if PROLOGUE:
@@ -116,7 +117,6 @@ def _split_attention(q_ptr, k_ptr, v_ptr, positions_ptr, max_ptr, sum_ptr, acc_p
         newest_k = _normed_rotated(k_row + dims[None, :], q_ptr, k_row + partner[None, :], k_weight_ptr, dims,
                                    partner, cos, sin, eps, HEAD_DIM, DTYPE)  # [1, D]
         newest_v = tl.load(q_ptr + row + (N_Q + tl.num_programs(1) + kv_head) * HEAD_DIM + dims[None, :])
-        entry = base + last * stride_kl + dims[None, :]
         holds = (dims[None, :] * 0 + last // split_len) == split  # this split holds the new key: append it
         tl.store(k_ptr + entry, newest_k.to(k_ptr.dtype.element_ty), mask=holds)
         tl.store(v_ptr + entry, newest_v, mask=holds)
@@ -126,7 +126,6 @@ def _split_attention(q_ptr, k_ptr, v_ptr, positions_ptr, max_ptr, sum_ptr, acc_p
     else:  # appended by the kernel before
         q = tl.load(q_ptr + slot * stride_qs + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None],
                     other=0.0).to(tl.float32)
-        entry = base + last * stride_kl + dims[None, :]
         newest_k = tl.load(k_ptr + entry).to(tl.float32)
         newest_v = tl.load(v_ptr + entry).to(tl.float32)
     running_max = tl.full((BLOCK_G,), -float("inf"), dtype=tl.float32)

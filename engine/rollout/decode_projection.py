@@ -209,10 +209,28 @@ def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, c
 
 
 @triton.jit
-def _b_tile(b_ptr, rows, row_ok, ranks, r):
-    """B[rows] [BLOCK_N, BLOCK_R] in float32 (B is [N, r], scaled by alpha / r)."""
-    return tl.load(b_ptr + rows[:, None] * r + ranks[None, :], mask=row_ok[:, None] & (ranks[None, :] < r),
-                   other=0.0).to(tl.float32)
+def _b_tiles(b_ptr, b1_ptr, rows, row_ok, ranks, r, TWO: tl.constexpr):
+    """B[rows] [BLOCK_N, BLOCK_R] in float32 (B is [N, r], scaled by alpha / r), and with TWO the second weight's
+    (else the first again)."""
+    b_tile = tl.load(b_ptr + rows[:, None] * r + ranks[None, :], mask=row_ok[:, None] & (ranks[None, :] < r),
+                     other=0.0).to(tl.float32)
+    b1_tile = b_tile
+    if TWO:
+        b1_tile = tl.load(b1_ptr + rows[:, None] * r + ranks[None, :], mask=row_ok[:, None] & (ranks[None, :] < r),
+                          other=0.0).to(tl.float32)
+    return b_tile, b1_tile
+
+
+@triton.jit
+def _a_tiles(a_ptr, a1_ptr, ranks, r, cols, col_ok, K, TWO: tl.constexpr):
+    """A[:, cols] [BLOCK_R, BLOCK_K] as stored (A is [r, K]), and with TWO the second weight's (else the first
+    again)."""
+    a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=(ranks[:, None] < r) & col_ok[None, :], other=0.0)
+    a1 = a
+    if TWO:
+        a1 = tl.load(a1_ptr + ranks[:, None] * K + cols[None, :], mask=(ranks[:, None] < r) & col_ok[None, :],
+                     other=0.0)
+    return a, a1
 
 
 @triton.jit
@@ -237,9 +255,7 @@ def _tile_rows(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_p
     xa = tl.zeros((BLOCK_B, BLOCK_R), dtype=tl.float32)
     xa1 = tl.zeros((BLOCK_B, BLOCK_R), dtype=tl.float32)
     if LORA > 0:
-        b_tile = _b_tile(b_ptr, rows, row_ok, ranks, r)
-        if PAIR:
-            b1_tile = _b_tile(b1_ptr, rows, row_ok, ranks, r)
+        b_tile, b1_tile = _b_tiles(b_ptr, b1_ptr, rows, row_ok, ranks, r, PAIR)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         cols = k0 + ks
         col_ok = cols < K
@@ -248,16 +264,10 @@ def _tile_rows(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_p
         if PAIR:
             w1 = _weight_tile(w1_ptr, absmax1_ptr, absmax2_1_ptr, code_ptr, code2_ptr, offset1, rows, row_ok, k0,
                               cols, col_ok, K, DENSE, NESTED, DTYPE, BLOCK_N, BLOCK_K, PRODUCT == 1)
-        if LORA == 1:  # A is [r, K]
-            a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=(ranks[:, None] < r) & col_ok[None, :],
-                        other=0.0)
+        if LORA == 1:
+            a, a1 = _a_tiles(a_ptr, a1_ptr, ranks, r, cols, col_ok, K, PAIR)
             if PRODUCT != 1:
-                a = a.to(tl.float32)
-            if PAIR:
-                a1 = tl.load(a1_ptr + ranks[:, None] * K + cols[None, :],
-                             mask=(ranks[:, None] < r) & col_ok[None, :], other=0.0)
-                if PRODUCT != 1:
-                    a1 = a1.to(tl.float32)
+                a, a1 = a.to(tl.float32), a1.to(tl.float32)
         gamma = 1.0
         if NORM:
             gamma = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -318,9 +328,7 @@ def _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax
     xa = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.float32)
     xa1 = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.float32)
     if LORA > 0:
-        b_tile = _b_tile(b_ptr, rows, row_ok, ranks, r)
-        if PAIR:
-            b1_tile = _b_tile(b1_ptr, rows, row_ok, ranks, r)
+        b_tile, b1_tile = _b_tiles(b_ptr, b1_ptr, rows, row_ok, ranks, r, PAIR)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         cols = k0 + ks
         col_ok = cols < K
@@ -336,11 +344,7 @@ def _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax
             gdc_wait()
         x = tl.trans(_normed_x(x_base, batch_ok, cols, col_ok, gamma, inv_rms, K, eps, NORM, BLOCK_K, DTYPE))
         if LORA == 1:
-            a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=(ranks[:, None] < r) & col_ok[None, :],
-                        other=0.0)
-            if PAIR:
-                a1 = tl.load(a1_ptr + ranks[:, None] * K + cols[None, :],
-                             mask=(ranks[:, None] < r) & col_ok[None, :], other=0.0)
+            a, a1 = _a_tiles(a_ptr, a1_ptr, ranks, r, cols, col_ok, K, PAIR)
         if PRODUCT == 1:
             half = tl.bfloat16 if DTYPE == 0 else tl.float16
             acc = tl.dot(w.to(half), x.to(half), acc)
@@ -455,9 +459,7 @@ def _split_finish(acc, acc1, ws_ptr, count_ptr, slot_index, kslice, rows, row_ok
     size: tl.constexpr = BLOCK_B * BLOCK_N
     base = ws_ptr + slot_index.to(tl.int64) * (SPLIT_K * 2 * size)
     if LORA > 0:
-        b_tile = _b_tile(b_ptr, rows, row_ok, ranks, r)
-        if TWO:
-            b1_tile = _b_tile(b1_ptr, rows, row_ok, ranks, r)
+        b_tile, b1_tile = _b_tiles(b_ptr, b1_ptr, rows, row_ok, ranks, r, TWO)
     if RESIDUAL:
         residual = tl.load(residual_ptr + batch[:, None].to(tl.int64) * stride_rb + residual_col + rows[None, :],
                            mask=batch_ok[:, None] & row_ok[None, :], other=0.0).to(tl.float32)
@@ -503,24 +505,21 @@ def _part(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, c
           WAIT_IN_LOOP: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr):
     """One weight's rows of a side-by-side launch into y[:, col0 + rows] (+ residual): the tile, and with SPLIT_K
     its partial over K until the last program of the tile sums them (the LoRA and residual applied there)."""
-    if SPLIT_K > 1:
-        acc, _ = _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr,
-                       offset, a_ptr, b_ptr, w_ptr, absmax_ptr, absmax2_ptr, offset, a_ptr, b_ptr, r, batch, stride_xa,
-                       sync_ptr, workers, rows, N, K, k_lo, k_hi, eps, residual_ptr, stride_rb, col0, DENSE, NESTED,
-                       NORM, 0, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP, False,
-                       False)
-        done, acc, _ = _split_finish(acc, acc, ws_ptr, count_ptr, slot_index, kslice, rows, rows < N, batch,
+    TILE_LORA: tl.constexpr = LORA if SPLIT_K == 1 else 0  # with a split, the last program adds them
+    TILE_RESIDUAL: tl.constexpr = RESIDUAL and SPLIT_K == 1
+    acc, _ = _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
+                   a_ptr, b_ptr, w_ptr, absmax_ptr, absmax2_ptr, offset, a_ptr, b_ptr, r, batch, stride_xa, sync_ptr,
+                   workers, rows, N, K, k_lo, k_hi, eps, residual_ptr, stride_rb, col0, DENSE, NESTED, NORM,
+                   TILE_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP, False,
+                   TILE_RESIDUAL)
+    row_ok = rows < N
+    if SPLIT_K > 1:  # only the program that holds the sums stores
+        done, acc, _ = _split_finish(acc, acc, ws_ptr, count_ptr, slot_index, kslice, rows, row_ok, batch,
                                      batch_ok, a_ptr, b_ptr, a_ptr, b_ptr, r, stride_xa, sync_ptr, workers,
                                      residual_ptr, stride_rb, col0, SPLIT_K, LORA, False, RESIDUAL, BLOCK_B, BLOCK_N,
                                      BLOCK_R)
-        _store(acc, y_ptr, stride_yb, batch, batch_ok, col0 + rows, (rows < N) & done, residual_ptr, stride_rb, False)
-    else:
-        acc, _ = _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr,
-                       offset, a_ptr, b_ptr, w_ptr, absmax_ptr, absmax2_ptr, offset, a_ptr, b_ptr, r, batch, stride_xa,
-                       sync_ptr, workers, rows, N, K, k_lo, k_hi, eps, residual_ptr, stride_rb, col0, DENSE, NESTED,
-                       NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP, False,
-                       RESIDUAL)
-        _store(acc, y_ptr, stride_yb, batch, batch_ok, col0 + rows, rows < N, residual_ptr, stride_rb, False)
+        row_ok = row_ok & done
+    _store(acc, y_ptr, stride_yb, batch, batch_ok, col0 + rows, row_ok, residual_ptr, stride_rb, False)
 
 
 @triton.jit
@@ -762,7 +761,8 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     a_per_program = default.a_per_program if a_per_program is None else a_per_program
     split_k = default.split_k if split_k is None else split_k
     pair = default.pair if pair is None else pair
-    rank = 0 if weights[0].lora_a is None else weights[0].lora_a.shape[0]
+    first = weights[0]
+    rank = 0 if first.lora_a is None else first.lora_a.shape[0]
     if split_counters is None or (rank and lora_a_stacked is None):
         split_k = 1
     if split_k > 1:
@@ -772,7 +772,6 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     if span_k and product == PRODUCT_BROADCAST and triton.next_power_of_2(k) > block_k:
         wide = min(SPAN_K_MAX, triton.next_power_of_2(k))
         block_n, block_k = max(1, block_n * block_k // wide), wide
-    down_k = min(block_k, 1024)  # x @ A.T's programs: 8 ranks of A a program, at most 8 x 1024 in registers
     block_k = min(block_k, max(QUANT_BLOCK, triton.next_power_of_2(k)))  # no tile wider than K needs
     if block_k % QUANT_BLOCK or block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two multiple of {QUANT_BLOCK}; got {block_k}")
@@ -783,7 +782,6 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"x must be [B, {k}] with unit column stride; got {tuple(x.shape)}")
     dtype_code(x.dtype)
-    first = weights[0]
     for w in weights:
         if w.k != k or w.dense != first.dense or w.nested != first.nested or (w.lora_a is None) != (
                 first.lora_a is None):
@@ -808,7 +806,7 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
         block_k = min(block_k, 128)  # float32 tiles of the half-precision size overflow shared memory
     block_b = triton.next_power_of_2(batch) if product == PRODUCT_BROADCAST else 16  # tl.dot's smallest M is 16
     block_b = min(block_b, 16)
-    rank = 0 if first.lora_a is None else first.lora_a.shape[0]
+    down_k = min(block_k, 1024)  # x @ A.T's programs: 8 ranks of A a program, at most 8 x 1024 in registers
     options = launch_options(x.device)
     # x @ A.T once for a launch: on a GPU one row of x and 8 ranks a program (with all 8 rows in a program its
     # broadcast products took ~75 us a launch at 8 rows, benchmarks/results/decode_step_sweep_h200.md); the
@@ -833,7 +831,7 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
             _lora_down[down_grid](
                 x, x.stride(0), batch, k, norm_weight if norm_weight is not None else x, eps, lora_a_stacked,
                 stride_xa, xa, NORM=norm_weight is not None, DTYPE=dtype_code(x.dtype), BLOCK_B=down_b,
-                BLOCK_R=down_r, BLOCK_K=min(down_k, block_k), **options)
+                BLOCK_R=down_r, BLOCK_K=down_k, **options)
 
     flat = []
     a_of += [a_of[-1]] * (3 - len(weights))
@@ -868,7 +866,7 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
         LORA=lora, RESIDUAL=residual is not None, DTYPE=dtype_code(x.dtype),
         BLOCK_B=block_b, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, triton.next_power_of_2(max(rank, 1))),
         PRODUCT=product, SWAP=swap, WAIT_IN_LOOP=swap and num_stages == 1, DOWN_B=down_b, DOWN_R=down_r,
-        DOWN_K=min(down_k, block_k), PAIR=pair, SPLIT_K=split_k,
+        DOWN_K=down_k, PAIR=pair, SPLIT_K=split_k,
         num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}), **options)
     return y
