@@ -17,8 +17,9 @@ split's keys, and keep the split's max, sum of exponentials and weighted
 values (broadcast products: with two query heads per kv head a dot would pad
 them to 16 rows). Pass 2, one program per (slot, query head): the splits combined by
 their maxima. With short contexts (704 tokens) and batch 1 there are only
-kv_heads slots x heads of work; the split gives the SMs enough programs.
-All softmax arithmetic is float32.
+kv_heads slots x heads of work; the split gives the SMs enough programs
+(`split_keys`: at one slot splits of 16 keys, since the programs' own latency,
+not their bytes, is what the step waits for). All softmax arithmetic is float32.
 """
 
 from __future__ import annotations
@@ -228,18 +229,19 @@ def qk_norm_rope_append(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: tor
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                     split_len: int = 32, block_l: int | None = None) -> torch.Tensor:
+                     split_len: int | None = None, block_l: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v per slot over keys 0..positions[slot]: q [S, H, D], caches [S, Hkv, L, D] -> [S, H, D].
 
-    Splits of 32 keys, read 32 at a time up to 4 slots and 16 beyond: the fastest on an H200 at Qwen3-0.6B's
-    heads over 704 keys (8.0 us at one slot, 23.5 at eight; benchmarks/results/decode_attention_h200_broadcast.json).
+    By default (`split_keys`) one slot takes splits of 16 keys read at once, more slots splits of 32 read 32 at
+    a time up to 4 slots and 16 beyond.
     """
-    return _attention(q, k_cache, v_cache, positions, split_len, block_l)
+    return _attention(q, k_cache, v_cache, positions, split_len, block_l, num_warps=num_warps)
 
 
 def attend_new_token(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
                      cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, split_len: int = 32, block_l: int | None = None) -> torch.Tensor:
+                     v_cache: torch.Tensor, split_len: int | None = None, block_l: int | None = None,
+                     num_warps: int = 4) -> torch.Tensor:
     """`qk_norm_rope_append` and `decode_attention` in two launches instead of three: the split-key programs take
     q and the new key from the qkv projection's output themselves, and the one whose split holds the slot's
     position appends the key and value. The same arguments as `qk_norm_rope_append`, the same result as the
@@ -247,7 +249,19 @@ def attend_new_token(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.
     heads = _query_heads(qkv, cos, sin, k_cache, v_cache)
     head_dim = k_cache.shape[3]
     return _attention(qkv.view(qkv.shape[0], -1, head_dim), k_cache, v_cache, positions, split_len, block_l,
-                      prologue=(q_weight, k_weight, eps, cos, sin), heads=heads)
+                      prologue=(q_weight, k_weight, eps, cos, sin), heads=heads, num_warps=num_warps)
+
+
+def split_keys(slots: int) -> tuple[int, int]:
+    """(keys a split, keys a program reads at once) for `slots` slots. The split-key programs' time is their
+    own latency, not the bytes (about 1% of the step's), so at one slot more, shorter programs win: splits of
+    16 took the kernel step at Qwen3-0.6B's shape from 1.049 to 0.976 ms over 704 keys (bf16, one H200), 1.005
+    to 0.933 over 192, and NF4 1.320 to 1.223; at eight slots they were slower over 704 keys (2.685 against
+    2.541), so more slots keep splits of 32 (benchmarks/results/decode_step_sweep_h200.md, session 10). Up to 4
+    slots those are read 32 keys at a time, beyond 16 (benchmarks/results/decode_attention_h200_broadcast.json)."""
+    if slots == 1:
+        return 16, 16
+    return 32, (32 if slots <= 4 else 16)
 
 
 def _query_heads(qkv, cos, sin, k_cache, v_cache) -> int:
@@ -266,13 +280,15 @@ def _query_heads(qkv, cos, sin, k_cache, v_cache) -> int:
 
 
 def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-               split_len: int, block_l: int | None, prologue: tuple | None = None,
-               heads: int | None = None) -> torch.Tensor:
+               split_len: int | None, block_l: int | None, prologue: tuple | None = None,
+               heads: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """Both passes; with `prologue` (q_weight, k_weight, eps, cos, sin) q is the qkv output as [S, heads + 2 Hkv,
-    D] and the first `heads` of it are the query heads."""
+    D] and the first `heads` of it are the query heads; `num_warps`: the split-key programs'."""
     slots, _, head_dim = q.shape
     heads = q.shape[1] if heads is None else heads
-    block_l = (32 if slots <= 4 else 16) if block_l is None else block_l
+    default_split, default_block = split_keys(slots)
+    split_len = default_split if split_len is None else split_len
+    block_l = default_block if block_l is None else block_l
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[0] != slots or k_cache.shape[3] != head_dim:
         raise ValueError(f"caches must be [{slots}, kv_heads, max_len, {head_dim}] alike; got {tuple(k_cache.shape)} "
                          f"and {tuple(v_cache.shape)}")
@@ -296,7 +312,7 @@ def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, po
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), n_splits, split_len,
         q_weight, k_weight, eps, cos, sin,
         GROUP=group, BLOCK_G=max(16, block_g) if dot else block_g, HEAD_DIM=head_dim, BLOCK_L=block_l, DOT=dot,
-        PROLOGUE=prologue is not None, N_Q=heads, DTYPE=dtype_code(q.dtype), **options)
+        PROLOGUE=prologue is not None, N_Q=heads, DTYPE=dtype_code(q.dtype), num_warps=num_warps, **options)
     out = torch.empty((slots, heads, head_dim), dtype=q.dtype, device=q.device)
     _combine[(slots, heads)](partial, sums, acc, out, n_splits, out.stride(0), out.stride(1), heads,
                              HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(n_splits), **options)

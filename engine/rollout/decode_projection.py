@@ -703,7 +703,7 @@ class Tiles:
     pair: bool = True  # gate's and up's tiles in one loop
 
 
-def tile_config(batch: int, on_gpu: bool, dense: bool = False) -> Tiles:
+def tile_config(batch: int, on_gpu: bool, dense: bool = False, silu_mul: bool = False) -> Tiles:
     """The tiles for a launch over `batch` rows of x, from the whole replayed step on one H200
     (benchmarks/results/decode_step_sweep_h200.md): NF4 up to 8 rows, and any weights at one row, broadcast
     sums over 8-row weight tiles 1024 wide (many programs, each weight load issued before the wait on the
@@ -711,13 +711,15 @@ def tile_config(batch: int, on_gpu: bool, dense: bool = False) -> Tiles:
     weights read before the wait), gate's and up's tiles in one loop; dense weights from 2 rows, swapped
     tensor-core tiles 32 x 256 over 3 stages with x @ A.T in every program, gate's loop then up's (2.36 ms
     against 3.45 for the unswapped tiles and 2.78 for the module step at 8 bf16 rows in session 7; split K and
-    one loop for gate and up were slower there in session 9); past 8 rows tensor-core tiles."""
+    one loop for gate and up were slower there in session 9); past 8 rows tensor-core tiles. NF4 gate and up at
+    one row (`silu_mul`) take 4-row tiles: fewer registers a program, and the step 1.174 ms against 1.223 with
+    8-row ones in session 10 (bf16 weights were slower so: 1.020 against 0.933)."""
     if not on_gpu:  # Triton's interpreter runs programs one by one in Python: the fewest, largest tiles
         return Tiles(PRODUCT_DOT32, 64, 1024)
     if dense and batch > 1:
         return Tiles(PRODUCT_TENSOR_CORE, 32, 256, swap=True, num_stages=3, a_per_program=True, pair=False)
     if batch <= 8:
-        return Tiles(PRODUCT_BROADCAST, 8, 1024, split_k=4)
+        return Tiles(PRODUCT_BROADCAST, 4 if silu_mul and not dense and batch == 1 else 8, 1024, split_k=4)
     return Tiles(PRODUCT_TENSOR_CORE, 32, 256)
 
 
@@ -750,7 +752,7 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     gate's and up's weight tiles in one loop.
     """
     k = weights[0].k
-    default = tile_config(x.shape[0], x.is_cuda, weights[0].dense)
+    default = tile_config(x.shape[0], x.is_cuda, weights[0].dense, silu_mul)
     if product is not None:  # a caller naming its product names its tiles: no swap, stages or A per program implied
         default = Tiles(product, default.block_n, default.block_k)
     product = default.product

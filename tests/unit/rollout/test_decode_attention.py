@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton", reason="needs Triton (the dev extra installs it)")
 from miniverl.engine.rollout.decode_attention import (attend_new_token, decode_attention,  # noqa: E402
-                                                      qk_norm_rope_append)
+                                                      qk_norm_rope_append, split_keys)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -30,21 +30,36 @@ def reference(q, k_cache, v_cache, positions) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (6, 6, 32), (8, 1, 16)], ids=["gqa2", "mha", "mqa8"])
-def test_matches_float64_at_different_positions_per_slot(heads: int, kv_heads: int, dim: int):
+@pytest.mark.parametrize("split_len,block_l", [(None, None), (16, 16), (32, 16)], ids=["default", "16", "32-by-16"])
+def test_matches_float64_at_different_positions_per_slot(heads: int, kv_heads: int, dim: int, split_len, block_l):
     gen = torch.Generator().manual_seed(heads * dim)
-    slots, max_len = 3, 300  # splits of 32 keys (the default), the last one partial
+    slots, max_len = 3, 300  # splits of 32 keys (the default at 3 slots), the last one partial
     q = torch.randn(slots, heads, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
     k = (2 * torch.randn(slots, kv_heads, max_len, dim, generator=gen)).to(torch.bfloat16).to(DEVICE)
     v = torch.randn(slots, kv_heads, max_len, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
     positions = torch.tensor([0, 130, 299], device=DEVICE)  # one key; just past a split; the whole cache
-    got = decode_attention(q, k, v, positions)
+    got = decode_attention(q, k, v, positions, split_len=split_len, block_l=block_l)
     assert got.shape == q.shape and got.dtype == torch.bfloat16
     want = reference(q, k, v, positions)
     assert float((got.double().cpu() - want).norm() / want.norm()) <= 4e-3
     # keys past a slot's position are never read: changing them changes nothing
     k2, v2 = k.clone(), v.clone()
     k2[0, :, 1:], v2[1, :, 131:] = 100.0, -100.0
-    assert torch.equal(decode_attention(q, k2, v2, positions), got)
+    assert torch.equal(decode_attention(q, k2, v2, positions, split_len=split_len, block_l=block_l), got)
+
+
+def test_one_slot_takes_splits_of_16_keys():
+    """split_keys: one slot's splits are 16 keys (read at once), more slots' 32; one slot through the default
+    matches float64 and the explicit split of 16 bit for bit."""
+    assert split_keys(1) == (16, 16) and split_keys(3) == (32, 32) and split_keys(8) == (32, 16)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    k, v = (torch.randn(1, 2, 100, 64, generator=gen).to(torch.bfloat16).to(DEVICE) for _ in range(2))
+    positions = torch.tensor([70], device=DEVICE)
+    got = decode_attention(q, k, v, positions)
+    assert torch.equal(got, decode_attention(q, k, v, positions, split_len=16, block_l=16))
+    want = reference(q, k, v, positions)
+    assert float((got.double().cpu() - want).norm() / want.norm()) <= 4e-3
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (16, 1, 32)], ids=["gqa2", "dot16"])

@@ -129,6 +129,20 @@ def test_the_tiles_a_gpu_takes_are_the_same_projection(kind: str, batch: int):
     x64 = normed64(x, gamma, eps)
     assert rel(y, torch.cat([linear64(x64, used, a, b) for _, used, a, b in parts], dim=1)) <= 4e-3
     assert not counters.any()
+    # gate and up, with the tiles a SiLU·mul launch takes (NF4 at one row: 4-row tiles)
+    (gate, g64, ga, gb), (up, u64, ua, ub) = make(kind, 64, k, 8, gen), make(kind, 64, k, 8, gen)
+    tiles = tile_config(batch, on_gpu=True, dense=kind == "dense", silu_mul=True)
+    broadcast = batch == 1 or (kind == "nf4" and batch <= 8)
+    assert tiles.block_n == (4 if kind == "nf4" and batch == 1 else 8 if broadcast else 32)
+    product = tiles.product if tiles.product in PRODUCTS else 0
+    act = project(x, [gate, up], norm_weight=gamma, eps=eps, silu_mul=True, product=product, block_n=tiles.block_n,
+                  block_k=min(tiles.block_k, 128), swap=tiles.swap, num_stages=tiles.num_stages,
+                  a_per_program=tiles.a_per_program, lora_a_stacked=stack_lora_a([gate, up]), split_k=tiles.split_k,
+                  split_counters=counters, lora_sync=torch.zeros(2, dtype=torch.int32, device=DEVICE),
+                  pair=tiles.pair)
+    g, u = linear64(x64, g64, ga, gb), linear64(x64, u64, ua, ub)
+    assert rel(act, g * torch.sigmoid(g) * u) <= 1e-2
+    assert not counters.any()
 
 
 @pytest.mark.parametrize("kind", ["nf4", "dense"])
