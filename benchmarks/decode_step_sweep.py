@@ -49,6 +49,23 @@ VARIANTS = {
     "separate_prologue": {"separate_prologue": True},
     "separate_both": {"lora_sync": None, "separate_prologue": True},  # both launches back: session 7's step
     "attention_tile_32": {"attention_block_l": 32},
+    # the split-key programs with fewer warps (fewer registers a program: room beside the qkv launch's programs
+    # under PDL), or splits of 64 / 16 keys
+    "attention_warps_2": {"attention_num_warps": 2},
+    "attention_warps_1": {"attention_num_warps": 1},
+    "attention_split_64": {"attention_split_len": 64},
+    "attention_split_16": {"attention_split_len": 16, "attention_block_l": 16},
+    "attention_split_16_warps_2": {"attention_split_len": 16, "attention_block_l": 16, "attention_num_warps": 2},
+    "attention_split_8": {"attention_split_len": 8, "attention_block_l": 8},
+    "attention_split_16_gate_up_n4": {"attention_split_len": 16, "attention_block_l": 16,
+                                      "only_gate_up": {"block_n": 4}},
+    # one launch kind only ("only_<kind>": qkv, gate_up): gate/up's or qkv's K split over 2 programs of 512
+    # columns (at one row their 1024-wide tiles are all of K, so `split_k` alone never splits them), or
+    # gate/up tiles of 4 rows (fewer registers a program: the 518 programs in one wave)
+    "gate_up_split_2": {"only_gate_up": {"block_k": 512, "split_k": 2}},
+    "gate_up_n4": {"only_gate_up": {"block_n": 4}},
+    "qkv_split_2": {"only_qkv": {"block_k": 512, "split_k": 2}},
+    "swap_a_once": {"a_per_program": False},  # swapped tiles reading x @ A.T from the launch's first programs
     "span_k": {"span_k": True},
     "no_pair": {"pair": False},  # gate's tiles, then up's, as before session 9
     "split_2": {"split_k": 2},  # each tile's K over up to 2 programs (project(split_k=...))
@@ -90,8 +107,11 @@ def patched_project(original, options: dict):
         options["a_per_program"] = not options.pop("once", False)
         options.setdefault("swap", False)
 
+    only = {kind: options.pop(f"only_{kind}", {}) for kind in ("qkv", "gate_up")}
+
     def project(x, weights, **kwargs):
-        return original(x, weights, **{**kwargs, **options})
+        kind = "gate_up" if kwargs.get("silu_mul") else "qkv" if len(weights) == 3 else None
+        return original(x, weights, **{**kwargs, **options, **only.get(kind, {})})
     return project
 
 
@@ -112,8 +132,10 @@ def bench(model, label: str, slots: int, variants: list[str], args, bandwidth: f
         kernels = options.pop("kernels", True)
         if options.pop("separate_prologue", False):
             fused_step.attend_new_token = two_launch_attention
-        if "attention_block_l" in options:
-            fused_step.attend_new_token = functools.partial(attend_new_token, block_l=options.pop("attention_block_l"))
+        attention = {key.removeprefix("attention_"): options.pop(key) for key in list(options)
+                     if key.startswith("attention_")}
+        if attention:
+            fused_step.attend_new_token = functools.partial(attend_new_token, **attention)
         fused_step.project = patched_project(original, options)
         try:
             start = time.perf_counter()
