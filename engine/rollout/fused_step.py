@@ -34,7 +34,12 @@ older keys before PDL's wait, B's tiles and the residual are read early, gate
 and up share a loop on broadcast tiles, and o_proj's and down_proj's K is split
 over programs (`SPLIT_COUNTERS` counters a launch): bf16 1.01 / 2.00 ms at one /
 eight slots, NF4 1.33 / 3.12, the dense copy 0.72 / 1.69, against 1.16 / 2.31,
-1.52 / 3.84 and 0.82 / 1.76 for session 8's step in the same run.
+1.52 / 3.84 and 0.82 / 1.76 for session 8's step in the same run. Session 10: at one
+slot the split-key attention takes splits of 16 keys (`decode_attention.split_keys`) and
+NF4 gate/up 4-row tiles: bf16 0.92 ms, NF4 1.17, the dense copy 0.68 at one slot
+(against 1.00, 1.32 and 0.72 in the same run; over 704 keys bf16 0.98 against 1.05),
+eight slots unchanged. Forwarding x @ A.T from each launch to the next, so that no
+launch computes its own, was measured slower (bf16 1.15 / 3.48 ms) and not kept.
 """
 
 from __future__ import annotations
