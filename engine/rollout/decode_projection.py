@@ -183,7 +183,7 @@ def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, c
           workers, rows, N, K, k_lo, k_hi, eps, residual_ptr, stride_rb, residual_col,
           DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
           DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
+          BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
           WAIT_IN_LOOP: tl.constexpr, PAIR: tl.constexpr, RESIDUAL: tl.constexpr):
     """norm(x) @ W[rows].T + (norm(x) @ A.T) @ B[rows].T for BLOCK_B rows of x, float32 [BLOCK_B, BLOCK_N], and
     with PAIR the same for a second weight's rows (w1...: gate and up), each tile of both read before either is
@@ -197,14 +197,14 @@ def _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, c
                                   b1_ptr, r, batch, stride_xa, sync_ptr, workers, rows, N, K, k_lo, k_hi, eps,
                                   residual_ptr,
                                   stride_rb, residual_col, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N,
-                                  BLOCK_K, BLOCK_R, PRODUCT, PDL and WAIT_IN_LOOP, PAIR, RESIDUAL)
+                                  BLOCK_K, BLOCK_R, CHUNKS, PRODUCT, PDL and WAIT_IN_LOOP, PAIR, RESIDUAL)
     else:
         acc, acc1 = _tile_rows(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr,
                                code2_ptr, offset, a_ptr, b_ptr, w1_ptr, absmax1_ptr, absmax2_1_ptr, offset1, a1_ptr,
                                b1_ptr, r, batch, stride_xa, sync_ptr, workers, rows, N, K, k_lo, k_hi, eps,
                                residual_ptr,
                                stride_rb, residual_col, DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K,
-                               BLOCK_R, PRODUCT, PDL, PAIR, RESIDUAL)
+                               BLOCK_R, CHUNKS, PRODUCT, PDL, PAIR, RESIDUAL)
     return acc, acc1
 
 
@@ -239,7 +239,7 @@ def _tile_rows(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_p
                sync_ptr, workers, rows, N, K, k_lo, k_hi, eps, residual_ptr, stride_rb, residual_col,
                DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
                DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr, PAIR: tl.constexpr,
+               BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr, PAIR: tl.constexpr,
                RESIDUAL: tl.constexpr):
     """`_tile` with x as the left operand: x [BLOCK_B, BLOCK_K] times the weight tile transposed.
 
@@ -287,11 +287,9 @@ def _tile_rows(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_p
     if LORA >= 2:  # x @ A.T of this launch, computed once: a_ptr is this weight's first column of it
         if LORA == 3:  # by this launch's first programs, published through sync_ptr
             _wait_for_workers(sync_ptr, workers)
-        xa = tl.load(a_ptr + batch[:, None].to(tl.int64) * stride_xa + ranks[None, :],
-                     mask=batch_ok[:, None] & (ranks[None, :] < r), other=0.0, cache_modifier=".cg")
+        xa = _published_xa(a_ptr, stride_xa, batch, batch_ok, ranks, r, batch_ok[:, None], CHUNKS)
         if PAIR:
-            xa1 = tl.load(a1_ptr + batch[:, None].to(tl.int64) * stride_xa + ranks[None, :],
-                          mask=batch_ok[:, None] & (ranks[None, :] < r), other=0.0, cache_modifier=".cg")
+            xa1 = _published_xa(a1_ptr, stride_xa, batch, batch_ok, ranks, r, batch_ok[:, None], CHUNKS)
     if LORA > 0:
         acc += _product(xa, b_tile, 0 if PRODUCT == 1 else PRODUCT, DTYPE)
         if PAIR:
@@ -307,7 +305,7 @@ def _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax
                   sync_ptr, workers, rows, N, K, k_lo, k_hi, eps, residual_ptr, stride_rb, residual_col,
                   DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
                   DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, WAIT_HERE: tl.constexpr, PAIR: tl.constexpr,
+                  BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr, PRODUCT: tl.constexpr, WAIT_HERE: tl.constexpr, PAIR: tl.constexpr,
                   RESIDUAL: tl.constexpr):
     """`_tile` with the weight tile as the left operand: W[rows] [BLOCK_N, BLOCK_K] times x transposed
     [BLOCK_K, BLOCK_B], accumulated as [BLOCK_N, BLOCK_B] and transposed once at the end.
@@ -368,11 +366,9 @@ def _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax
     if LORA >= 2:
         if LORA == 3:
             _wait_for_workers(sync_ptr, workers)
-        xa = tl.load(a_ptr + batch[None, :].to(tl.int64) * stride_xa + ranks[:, None],
-                     mask=batch_ok[None, :] & (ranks[:, None] < r), other=0.0, cache_modifier=".cg")
+        xa = tl.trans(_published_xa(a_ptr, stride_xa, batch, batch_ok, ranks, r, batch_ok[:, None], CHUNKS))
         if PAIR:
-            xa1 = tl.load(a1_ptr + batch[None, :].to(tl.int64) * stride_xa + ranks[:, None],
-                          mask=batch_ok[None, :] & (ranks[:, None] < r), other=0.0, cache_modifier=".cg")
+            xa1 = tl.trans(_published_xa(a1_ptr, stride_xa, batch, batch_ok, ranks, r, batch_ok[:, None], CHUNKS))
     if LORA > 0:
         acc = tl.dot(b_tile, xa, acc, input_precision="ieee")
         if PAIR:
@@ -383,11 +379,13 @@ def _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax
 
 
 @triton.jit
-def _lora_down_rows(x_ptr, stride_xb, B, K, norm_ptr, eps, a_ptr, R, xa_ptr, rank_block, batch_block,
+def _lora_down_rows(x_ptr, stride_xb, B, K, norm_ptr, eps, a_ptr, R, xa_ptr, rank_block, batch_block, chunk,
                     NORM: tl.constexpr, DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """xa[batch_block, rank_block] of norm(x) @ A.T in float32 for a launch's stacked A [R, K]: BLOCK_B rows of x
-    against BLOCK_R ranks, each A tile loaded before PDL's wait."""
+                    BLOCK_K: tl.constexpr, PDL: tl.constexpr, CHUNKS: tl.constexpr):
+    """xa[batch_block, chunk, rank_block] of norm(x) @ A.T in float32 for a launch's stacked A [R, K]: BLOCK_B
+    rows of x against BLOCK_R ranks over the chunk's K / CHUNKS columns (whole BLOCK_K tiles; its partial, which
+    `_published_xa` sums with the other chunks'), each A tile loaded before PDL's wait. With more than one chunk
+    a program reads one tile, so no load waits on an earlier one after the wait."""
     ranks = rank_block * BLOCK_R + tl.arange(0, BLOCK_R)
     batch = batch_block * BLOCK_B + tl.arange(0, BLOCK_B)
     batch_ok, rank_ok = batch < B, ranks < R
@@ -398,7 +396,11 @@ def _lora_down_rows(x_ptr, stride_xb, B, K, norm_ptr, eps, a_ptr, R, xa_ptr, ran
             gdc_wait()
         inv_rms = _inverse_rms(x_base, batch_ok, K, eps, BLOCK_B, BLOCK_K)
     xa = tl.zeros((BLOCK_B, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo, k_hi = 0, K
+    if CHUNKS > 1:
+        span = tl.cdiv(tl.cdiv(K, BLOCK_K), CHUNKS) * BLOCK_K
+        k_lo, k_hi = chunk * span, tl.minimum(K, (chunk + 1) * span)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
         a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=rank_ok[:, None] & col_ok[None, :],
@@ -410,18 +412,32 @@ def _lora_down_rows(x_ptr, stride_xb, B, K, norm_ptr, eps, a_ptr, R, xa_ptr, ran
             gdc_wait()
         x = _normed_x(x_base, batch_ok, cols, col_ok, gamma, inv_rms, K, eps, NORM, BLOCK_K, DTYPE)
         xa += _product(x, a, 2, DTYPE)
-    tl.store(xa_ptr + batch[:, None].to(tl.int64) * R + ranks[None, :], xa,
+    tl.store(xa_ptr + batch[:, None].to(tl.int64) * (CHUNKS * R) + chunk * R + ranks[None, :], xa,
              mask=batch_ok[:, None] & rank_ok[None, :])
 
 
 @triton.jit
 def _lora_down(x_ptr, stride_xb, B, K, norm_ptr, eps, a_ptr, R, xa_ptr, NORM: tl.constexpr, DTYPE: tl.constexpr,
-               BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+               BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+               CHUNKS: tl.constexpr):
     """xa [B, R] = norm(x) @ A.T as a launch of its own (`project` without `lora_sync`), before the projection."""
     if PDL:
         gdc_launch_dependents()
     _lora_down_rows(x_ptr, stride_xb, B, K, norm_ptr, eps, a_ptr, R, xa_ptr, tl.program_id(0), tl.program_id(1),
-                    NORM, DTYPE, BLOCK_B, BLOCK_R, BLOCK_K, PDL)
+                    tl.program_id(2), NORM, DTYPE, BLOCK_B, BLOCK_R, BLOCK_K, PDL, CHUNKS)
+
+
+@triton.jit
+def _published_xa(a_ptr, stride_xa, batch, batch_ok, ranks, r, ok, CHUNKS: tl.constexpr):
+    """x @ A.T [BLOCK_B, BLOCK_R] of this weight's ranks (its columns from a_ptr) from what `_lora_down_rows`
+    wrote: xa [B, CHUNKS, stride_xa], one partial a chunk of K, summed in order (the same sums, in the same
+    order, as one program's loop over the chunks). `ok`: which rows to read ([BLOCK_B, 1] or [BLOCK_B, BLOCK_R])."""
+    at = a_ptr + batch[:, None].to(tl.int64) * (CHUNKS * stride_xa) + ranks[None, :]
+    mask = ok & (ranks[None, :] < r)
+    xa = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
+    for chunk in tl.static_range(1, CHUNKS):  # one load each, all issued together
+        xa += tl.load(at + chunk * stride_xa, mask=mask, other=0.0, cache_modifier=".cg")
+    return xa
 
 
 @triton.jit
@@ -449,7 +465,7 @@ def _store(acc, y_ptr, stride_yb, batch, batch_ok, columns, column_ok, residual_
 def _split_finish(acc, acc1, ws_ptr, count_ptr, slot_index, kslice, rows, row_ok, batch, batch_ok, a_ptr, b_ptr,
                   a1_ptr, b1_ptr, r, stride_xa, sync_ptr, workers, residual_ptr, stride_rb, residual_col,
                   SPLIT_K: tl.constexpr, LORA: tl.constexpr, TWO: tl.constexpr, RESIDUAL: tl.constexpr,
-                  BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                  BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr):
     """Split K: this program's partial product(s) [BLOCK_B, BLOCK_N] (TWO: gate's and up's) into the workspace,
     then the program that arrives last at the tile's counter sums the SPLIT_K partials in order and adds the
     LoRA (B's tiles and the residual read before the counter) and the residual; it zeroes the counter for the
@@ -480,13 +496,11 @@ def _split_finish(acc, acc1, ws_ptr, count_ptr, slot_index, kslice, rows, row_ok
         if LORA == 3:
             if arrived == SPLIT_K - 1:
                 _wait_for_workers(sync_ptr, workers)
-        xa_ok = batch_ok[:, None] & (ranks[None, :] < r) & ((ranks[None, :] * 0 + arrived) == SPLIT_K - 1)
-        xa = tl.load(a_ptr + batch[:, None].to(tl.int64) * stride_xa + ranks[None, :], mask=xa_ok, other=0.0,
-                     cache_modifier=".cg")
+        xa_ok = batch_ok[:, None] & ((ranks[None, :] * 0 + arrived) == SPLIT_K - 1)
+        xa = _published_xa(a_ptr, stride_xa, batch, batch_ok, ranks, r, xa_ok, CHUNKS)
         total += _product(xa, b_tile, 2, 0)
         if TWO:
-            xa1 = tl.load(a1_ptr + batch[:, None].to(tl.int64) * stride_xa + ranks[None, :], mask=xa_ok, other=0.0,
-                          cache_modifier=".cg")
+            xa1 = _published_xa(a1_ptr, stride_xa, batch, batch_ok, ranks, r, xa_ok, CHUNKS)
             total1 += _product(xa1, b1_tile, 2, 0)
     if RESIDUAL:
         total += residual
@@ -501,7 +515,7 @@ def _part(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, c
           residual_ptr, stride_rb, ws_ptr, count_ptr, slot_index, kslice,
           DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
           DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          BLOCK_R: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
+          BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
           WAIT_IN_LOOP: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr):
     """One weight's rows of a side-by-side launch into y[:, col0 + rows] (+ residual): the tile, and with SPLIT_K
     its partial over K until the last program of the tile sums them (the LoRA and residual applied there)."""
@@ -510,14 +524,14 @@ def _part(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, c
     acc, _ = _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
                    a_ptr, b_ptr, w_ptr, absmax_ptr, absmax2_ptr, offset, a_ptr, b_ptr, r, batch, stride_xa, sync_ptr,
                    workers, rows, N, K, k_lo, k_hi, eps, residual_ptr, stride_rb, col0, DENSE, NESTED, NORM,
-                   TILE_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP, False,
+                   TILE_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS, PRODUCT, PDL, SWAP, WAIT_IN_LOOP, False,
                    TILE_RESIDUAL)
     row_ok = rows < N
     if SPLIT_K > 1:  # only the program that holds the sums stores
         done, acc, _ = _split_finish(acc, acc, ws_ptr, count_ptr, slot_index, kslice, rows, row_ok, batch,
                                      batch_ok, a_ptr, b_ptr, a_ptr, b_ptr, r, stride_xa, sync_ptr, workers,
                                      residual_ptr, stride_rb, col0, SPLIT_K, LORA, False, RESIDUAL, BLOCK_B, BLOCK_N,
-                                     BLOCK_R)
+                                     BLOCK_R, CHUNKS)
         row_ok = row_ok & done
     _store(acc, y_ptr, stride_yb, batch, batch_ok, col0 + rows, row_ok, residual_ptr, stride_rb, False)
 
@@ -534,22 +548,24 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
              BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
              PRODUCT: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr, WAIT_IN_LOOP: tl.constexpr,
              DOWN_B: tl.constexpr, DOWN_R: tl.constexpr, DOWN_K: tl.constexpr, PAIR: tl.constexpr,
-             SPLIT_K: tl.constexpr):
+             SPLIT_K: tl.constexpr, CHUNKS: tl.constexpr):
     """One launch's programs over 1-3 weights (`project`). With LORA 3 the first `workers` programs compute
     norm(x) @ A.T for the whole launch (`_lora_down`'s work, as `_lora_down` splits it) and publish it through
     sync_ptr [2] (published count, finished programs); the others read it after their weight tiles. The last
     program to finish zeroes sync_ptr for the next launch (a CUDA graph replays the same counters). SPLIT_K:
     each tile's K split over that many programs (`_split_finish`, counters `count_ptr`, partials `ws_ptr`);
-    PAIR: gate's and up's tiles in one loop rather than one after the other."""
+    PAIR: gate's and up's tiles in one loop rather than one after the other. CHUNKS: x @ A.T's K in that many
+    chunks, one worker each (its partial), summed by the programs that read it (`_published_xa`)."""
     if PDL:
         gdc_launch_dependents()
         if PRODUCT != 2 and not WAIT_IN_LOOP:  # pipelined dot loops would move their first loads of x above a
             gdc_wait()  # wait inside the loop
     block = tl.program_id(0)
     if LORA == 3 and block < workers:
-        chunks = tl.cdiv(stride_xa, DOWN_R)
-        _lora_down_rows(x_ptr, stride_xb, B, K, norm_ptr, eps, a_stacked_ptr, stride_xa, xa_ptr, block % chunks,
-                        block // chunks, NORM, DTYPE, DOWN_B, DOWN_R, DOWN_K, PDL)
+        rank_blocks, batch_blocks = tl.cdiv(stride_xa, DOWN_R), tl.cdiv(B, DOWN_B)
+        _lora_down_rows(x_ptr, stride_xb, B, K, norm_ptr, eps, a_stacked_ptr, stride_xa, xa_ptr, block % rank_blocks,
+                        block // rank_blocks % batch_blocks, block // (rank_blocks * batch_blocks), NORM, DTYPE,
+                        DOWN_B, DOWN_R, DOWN_K, PDL, CHUNKS)
         tl.debug_barrier()  # the whole program's stores before the release
         tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
     else:
@@ -579,25 +595,25 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
                 gate, up = _tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr,
                                  offset0, a0, b0, w1, absmax1, absmax2_1, offset1, a1, b1, r, batch, stride_xa,
                                  sync_ptr, workers, rows, n0, K, k_lo, k_hi, eps, residual_ptr, stride_rb, 0, DENSE,
-                                 NESTED, NORM, TILE_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL,
+                                 NESTED, NORM, TILE_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS, PRODUCT, PDL,
                                  SWAP, WAIT_IN_LOOP, True, False)
             else:
                 gate, _ = _tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr,
                                 offset0, a0, b0, w0, absmax0, absmax2_0, offset0, a0, b0, r, batch, stride_xa,
                                 sync_ptr, workers, rows, n0, K, k_lo, k_hi, eps, residual_ptr, stride_rb, 0, DENSE,
-                                NESTED, NORM, TILE_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL,
+                                NESTED, NORM, TILE_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS, PRODUCT, PDL,
                                 SWAP, WAIT_IN_LOOP, False, False)
                 up, _ = _tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr, code2_ptr,
                               offset1, a1, b1, w1, absmax1, absmax2_1, offset1, a1, b1, r, batch, stride_xa,
                               sync_ptr, workers, rows, n1, K, k_lo, k_hi, eps, residual_ptr, stride_rb, 0, DENSE,
-                              NESTED, NORM, TILE_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL,
+                              NESTED, NORM, TILE_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS, PRODUCT, PDL,
                               SWAP, WAIT_IN_LOOP, False, False)
             done = rows >= 0
             if SPLIT_K > 1:
                 done, gate, up = _split_finish(gate, up, ws_ptr, count_ptr, slot_index, kslice, rows, rows < n0,
                                                batch, batch_ok, a0, b0, a1, b1, r, stride_xa, sync_ptr, workers,
                                                residual_ptr, stride_rb, 0, SPLIT_K, LORA, True, False, BLOCK_B,
-                                               BLOCK_N, BLOCK_R)
+                                               BLOCK_N, BLOCK_R, CHUNKS)
             gate, up = round_to_dtype(gate, DTYPE), round_to_dtype(up, DTYPE)
             acc = round_to_dtype(gate / (1.0 + tl.exp(-gate)), DTYPE) * up
             _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, (rows < n0) & done, residual_ptr, stride_rb,
@@ -609,7 +625,7 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
                 _part(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr, offset0, a0,
                       b0, r, batch, stride_xa, sync_ptr, workers, block * BLOCK_N + local, n0, 0, K, k_lo, k_hi, eps,
                       y_ptr, stride_yb, residual_ptr, stride_rb, ws_ptr, count_ptr, slot_index, kslice, DENSE,
-                      NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP,
+                      NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS, PRODUCT, PDL, SWAP,
                       WAIT_IN_LOOP, RESIDUAL, SPLIT_K)
             else:
                 if PARTS > 1:
@@ -618,7 +634,7 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
                               offset1, a1, b1, r, batch, stride_xa, sync_ptr, workers,
                               (block - blocks0) * BLOCK_N + local, n1, n0, K, k_lo, k_hi, eps, y_ptr, stride_yb,
                               residual_ptr, stride_rb, ws_ptr, count_ptr, slot_index, kslice, DENSE, NESTED, NORM,
-                              LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL, SWAP, WAIT_IN_LOOP,
+                              LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS, PRODUCT, PDL, SWAP, WAIT_IN_LOOP,
                               RESIDUAL, SPLIT_K)
                     else:
                         if PARTS > 2:
@@ -626,7 +642,7 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
                                   offset2, a2, b2, r, batch, stride_xa, sync_ptr, workers,
                                   (block - blocks0 - blocks1) * BLOCK_N + local, n2, n0 + n1, K, k_lo, k_hi, eps,
                                   y_ptr, stride_yb, residual_ptr, stride_rb, ws_ptr, count_ptr, slot_index, kslice,
-                                  DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, PRODUCT, PDL,
+                                  DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS, PRODUCT, PDL,
                                   SWAP, WAIT_IN_LOOP, RESIDUAL, SPLIT_K)
         if LORA == 3:  # every program before the last has passed its wait: the last one zeroes the counters
             finished = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
@@ -809,6 +825,9 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     block_b = triton.next_power_of_2(batch) if product == PRODUCT_BROADCAST else 16  # tl.dot's smallest M is 16
     block_b = min(block_b, 16)
     down_k = min(block_k, 1024)  # x @ A.T's programs: 8 ranks of A a program, at most 8 x 1024 in registers
+    # and one chunk of K each, up to 4 chunks: a worker reads its one A tile before PDL's wait, so that after it
+    # only x is read, once (o_proj's and down_proj's 2 and 3 tiles were read one after another)
+    chunks = min(4, triton.cdiv(k, down_k))
     options = launch_options(x.device)
     # x @ A.T once for a launch: on a GPU one row of x and 8 ranks a program (with all 8 rows in a program its
     # broadcast products took ~75 us a launch at 8 rows, benchmarks/results/decode_step_sweep_h200.md); the
@@ -821,19 +840,19 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
             raise ValueError(f"lora_a_stacked must be the {len(weights)} A matrices stacked, contiguous "
                              f"[{len(weights) * rank}, {k}]; got {tuple(lora_a_stacked.shape)}")
         stride_xa, a_stacked = lora_a_stacked.shape[0], lora_a_stacked
-        xa = torch.empty((batch, stride_xa), dtype=torch.float32, device=x.device)
-        lora, a_of = 2, [xa[:, i * rank:] for i in range(len(weights))]  # each weight's columns of xa
-        down_grid = (triton.cdiv(stride_xa, down_r), triton.cdiv(batch, down_b))
+        xa = torch.empty((batch, chunks, stride_xa), dtype=torch.float32, device=x.device)  # a partial a chunk
+        lora, a_of = 2, [xa[:, 0, i * rank:] for i in range(len(weights))]  # each weight's columns of xa
+        down_grid = (triton.cdiv(stride_xa, down_r), triton.cdiv(batch, down_b), chunks)
         if lora_sync is not None and batch <= block_b:  # the down programs lead the projection's launch
             if lora_sync.shape != (2,) or lora_sync.dtype != torch.int32 or lora_sync.device != x.device:
                 raise ValueError(f"lora_sync must be int32 [2] on {x.device}; got {lora_sync.dtype} "
                                  f"{tuple(lora_sync.shape)} on {lora_sync.device}")
-            lora, workers = 3, down_grid[0] * down_grid[1]
+            lora, workers = 3, down_grid[0] * down_grid[1] * down_grid[2]
         else:
             _lora_down[down_grid](
                 x, x.stride(0), batch, k, norm_weight if norm_weight is not None else x, eps, lora_a_stacked,
                 stride_xa, xa, NORM=norm_weight is not None, DTYPE=dtype_code(x.dtype), BLOCK_B=down_b,
-                BLOCK_R=down_r, BLOCK_K=down_k, **options)
+                BLOCK_R=down_r, BLOCK_K=down_k, CHUNKS=chunks, **options)
 
     flat = []
     a_of += [a_of[-1]] * (3 - len(weights))
@@ -868,7 +887,7 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
         LORA=lora, RESIDUAL=residual is not None, DTYPE=dtype_code(x.dtype),
         BLOCK_B=block_b, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, triton.next_power_of_2(max(rank, 1))),
         PRODUCT=product, SWAP=swap, WAIT_IN_LOOP=swap and num_stages == 1, DOWN_B=down_b, DOWN_R=down_r,
-        DOWN_K=down_k, PAIR=pair, SPLIT_K=split_k,
+        DOWN_K=down_k, PAIR=pair, SPLIT_K=split_k, CHUNKS=chunks if xa is not None else 1,
         num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}), **options)
     return y

@@ -76,15 +76,16 @@ def combine_and_the_separate_prologue():
 PROJECTIONS = {
     "qkv-broadcast-1": (False, dict(PARTS=3, NORM=True, BLOCK_B=1, SPLIT_K=1), None),
     "gate_up-pair-1": (False, dict(PARTS=2, SILU_MUL=True, NORM=True, BLOCK_B=1, SPLIT_K=1), None),
-    "o-split-1": (False, dict(RESIDUAL=True, BLOCK_B=1, SPLIT_K=2), None),
+    "o-split-1": (False, dict(RESIDUAL=True, BLOCK_B=1, SPLIT_K=2, CHUNKS=2), None),
     "down-span-1": (False, dict(RESIDUAL=True, BLOCK_B=1, BLOCK_N=2, BLOCK_K=4096, SPLIT_K=1), None),
     "nf4-gate_up-pair-8": (True, dict(PARTS=2, SILU_MUL=True, NORM=True, BLOCK_B=8, SPLIT_K=1), None),
-    "nf4-down-split-8": (True, dict(RESIDUAL=True, BLOCK_B=8, SPLIT_K=3), None),
+    "nf4-down-split-8": (True, dict(RESIDUAL=True, BLOCK_B=8, SPLIT_K=3, CHUNKS=3), None),
     "swap-qkv-a-per-program-8": (False, dict(PARTS=3, NORM=True, LORA=1, PRODUCT=1, SWAP=True, BLOCK_N=32,
                                              BLOCK_K=256, SPLIT_K=1), 3),
     "swap-gate_up-two-loops-8": (False, dict(PARTS=2, SILU_MUL=True, NORM=True, LORA=1, PRODUCT=1, SWAP=True,
                                              BLOCK_N=32, BLOCK_K=256, PAIR=False, SPLIT_K=1), 3),
-    "swap-down-split-8": (False, dict(RESIDUAL=True, PRODUCT=1, SWAP=True, BLOCK_N=32, BLOCK_K=256, SPLIT_K=4), 3),
+    "swap-down-split-8": (False, dict(RESIDUAL=True, PRODUCT=1, SWAP=True, BLOCK_N=32, BLOCK_K=256, SPLIT_K=4,
+                                      CHUNKS=3), 3),
 }
 
 
@@ -100,7 +101,7 @@ def projection(name: str):
                       f"a{i}": "*bf16" if lora == 1 else "*fp32", f"b{i}": "*bf16"})
     shared = dict(PARTS=1, SILU_MUL=False, DENSE=not nf4, NESTED=nf4, NORM=False, LORA=lora, RESIDUAL=False,
                   DTYPE=0, BLOCK_N=8, BLOCK_K=1024, BLOCK_R=16, PRODUCT=2, PDL=True, SWAP=False,
-                  WAIT_IN_LOOP=False, DOWN_B=1, DOWN_R=8, DOWN_K=1024, PAIR=True)
+                  WAIT_IN_LOOP=False, DOWN_B=1, DOWN_R=8, DOWN_K=1024, PAIR=True, CHUNKS=1)
     constants = {**shared, **constants}
     if constants["SWAP"]:
         constants["BLOCK_B"] = 16
