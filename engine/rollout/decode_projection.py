@@ -239,8 +239,8 @@ def _tile_rows(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_p
                sync_ptr, workers, rows, N, K, k_lo, k_hi, eps, residual_ptr, stride_rb, residual_col,
                DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
                DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr, PAIR: tl.constexpr,
-               RESIDUAL: tl.constexpr):
+               BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr,
+               PAIR: tl.constexpr, RESIDUAL: tl.constexpr):
     """`_tile` with x as the left operand: x [BLOCK_B, BLOCK_K] times the weight tile transposed.
 
     B's tiles are read first and each step loads its weight tiles before x, so under PDL (broadcast products)
@@ -287,9 +287,9 @@ def _tile_rows(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_p
     if LORA >= 2:  # x @ A.T of this launch, computed once: a_ptr is this weight's first column of it
         if LORA == 3:  # by this launch's first programs, published through sync_ptr
             _wait_for_workers(sync_ptr, workers)
-        xa = _published_xa(a_ptr, stride_xa, batch, batch_ok, ranks, r, batch_ok[:, None], CHUNKS)
+        xa = _published_xa(a_ptr, stride_xa, batch, ranks, r, batch_ok[:, None], CHUNKS)
         if PAIR:
-            xa1 = _published_xa(a1_ptr, stride_xa, batch, batch_ok, ranks, r, batch_ok[:, None], CHUNKS)
+            xa1 = _published_xa(a1_ptr, stride_xa, batch, ranks, r, batch_ok[:, None], CHUNKS)
     if LORA > 0:
         acc += _product(xa, b_tile, 0 if PRODUCT == 1 else PRODUCT, DTYPE)
         if PAIR:
@@ -305,8 +305,8 @@ def _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax
                   sync_ptr, workers, rows, N, K, k_lo, k_hi, eps, residual_ptr, stride_rb, residual_col,
                   DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
                   DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr, PRODUCT: tl.constexpr, WAIT_HERE: tl.constexpr, PAIR: tl.constexpr,
-                  RESIDUAL: tl.constexpr):
+                  BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr, PRODUCT: tl.constexpr, WAIT_HERE: tl.constexpr,
+                  PAIR: tl.constexpr, RESIDUAL: tl.constexpr):
     """`_tile` with the weight tile as the left operand: W[rows] [BLOCK_N, BLOCK_K] times x transposed
     [BLOCK_K, BLOCK_B], accumulated as [BLOCK_N, BLOCK_B] and transposed once at the end.
 
@@ -366,9 +366,9 @@ def _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax
     if LORA >= 2:
         if LORA == 3:
             _wait_for_workers(sync_ptr, workers)
-        xa = tl.trans(_published_xa(a_ptr, stride_xa, batch, batch_ok, ranks, r, batch_ok[:, None], CHUNKS))
+        xa = tl.trans(_published_xa(a_ptr, stride_xa, batch, ranks, r, batch_ok[:, None], CHUNKS))
         if PAIR:
-            xa1 = tl.trans(_published_xa(a1_ptr, stride_xa, batch, batch_ok, ranks, r, batch_ok[:, None], CHUNKS))
+            xa1 = tl.trans(_published_xa(a1_ptr, stride_xa, batch, ranks, r, batch_ok[:, None], CHUNKS))
     if LORA > 0:
         acc = tl.dot(b_tile, xa, acc, input_precision="ieee")
         if PAIR:
@@ -428,7 +428,7 @@ def _lora_down(x_ptr, stride_xb, B, K, norm_ptr, eps, a_ptr, R, xa_ptr, NORM: tl
 
 
 @triton.jit
-def _published_xa(a_ptr, stride_xa, batch, batch_ok, ranks, r, ok, CHUNKS: tl.constexpr):
+def _published_xa(a_ptr, stride_xa, batch, ranks, r, ok, CHUNKS: tl.constexpr):
     """x @ A.T [BLOCK_B, BLOCK_R] of this weight's ranks (its columns from a_ptr) from what `_lora_down_rows`
     wrote: xa [B, CHUNKS, stride_xa], one partial a chunk of K, summed in order (the same sums, in the same
     order, as one program's loop over the chunks). `ok`: which rows to read ([BLOCK_B, 1] or [BLOCK_B, BLOCK_R])."""
@@ -497,10 +497,10 @@ def _split_finish(acc, acc1, ws_ptr, count_ptr, slot_index, kslice, rows, row_ok
             if arrived == SPLIT_K - 1:
                 _wait_for_workers(sync_ptr, workers)
         xa_ok = batch_ok[:, None] & ((ranks[None, :] * 0 + arrived) == SPLIT_K - 1)
-        xa = _published_xa(a_ptr, stride_xa, batch, batch_ok, ranks, r, xa_ok, CHUNKS)
+        xa = _published_xa(a_ptr, stride_xa, batch, ranks, r, xa_ok, CHUNKS)
         total += _product(xa, b_tile, 2, 0)
         if TWO:
-            xa1 = _published_xa(a1_ptr, stride_xa, batch, batch_ok, ranks, r, xa_ok, CHUNKS)
+            xa1 = _published_xa(a1_ptr, stride_xa, batch, ranks, r, xa_ok, CHUNKS)
             total1 += _product(xa1, b1_tile, 2, 0)
     if RESIDUAL:
         total += residual
@@ -524,8 +524,8 @@ def _part(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, c
     acc, _ = _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
                    a_ptr, b_ptr, w_ptr, absmax_ptr, absmax2_ptr, offset, a_ptr, b_ptr, r, batch, stride_xa, sync_ptr,
                    workers, rows, N, K, k_lo, k_hi, eps, residual_ptr, stride_rb, col0, DENSE, NESTED, NORM,
-                   TILE_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS, PRODUCT, PDL, SWAP, WAIT_IN_LOOP, False,
-                   TILE_RESIDUAL)
+                   TILE_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS, PRODUCT, PDL, SWAP, WAIT_IN_LOOP,
+                   False, TILE_RESIDUAL)
     row_ok = rows < N
     if SPLIT_K > 1:  # only the program that holds the sums stores
         done, acc, _ = _split_finish(acc, acc, ws_ptr, count_ptr, slot_index, kslice, rows, row_ok, batch,
@@ -595,19 +595,19 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
                 gate, up = _tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr,
                                  offset0, a0, b0, w1, absmax1, absmax2_1, offset1, a1, b1, r, batch, stride_xa,
                                  sync_ptr, workers, rows, n0, K, k_lo, k_hi, eps, residual_ptr, stride_rb, 0, DENSE,
-                                 NESTED, NORM, TILE_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS, PRODUCT, PDL,
-                                 SWAP, WAIT_IN_LOOP, True, False)
+                                 NESTED, NORM, TILE_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS, PRODUCT,
+                                 PDL, SWAP, WAIT_IN_LOOP, True, False)
             else:
                 gate, _ = _tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr,
                                 offset0, a0, b0, w0, absmax0, absmax2_0, offset0, a0, b0, r, batch, stride_xa,
                                 sync_ptr, workers, rows, n0, K, k_lo, k_hi, eps, residual_ptr, stride_rb, 0, DENSE,
-                                NESTED, NORM, TILE_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS, PRODUCT, PDL,
-                                SWAP, WAIT_IN_LOOP, False, False)
+                                NESTED, NORM, TILE_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS, PRODUCT,
+                                PDL, SWAP, WAIT_IN_LOOP, False, False)
                 up, _ = _tile(x_base, batch_ok, inv_rms, norm_ptr, w1, absmax1, absmax2_1, code_ptr, code2_ptr,
                               offset1, a1, b1, w1, absmax1, absmax2_1, offset1, a1, b1, r, batch, stride_xa,
                               sync_ptr, workers, rows, n1, K, k_lo, k_hi, eps, residual_ptr, stride_rb, 0, DENSE,
-                              NESTED, NORM, TILE_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS, PRODUCT, PDL,
-                              SWAP, WAIT_IN_LOOP, False, False)
+                              NESTED, NORM, TILE_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS, PRODUCT,
+                              PDL, SWAP, WAIT_IN_LOOP, False, False)
             done = rows >= 0
             if SPLIT_K > 1:
                 done, gate, up = _split_finish(gate, up, ws_ptr, count_ptr, slot_index, kslice, rows, rows < n0,
@@ -642,8 +642,8 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
                                   offset2, a2, b2, r, batch, stride_xa, sync_ptr, workers,
                                   (block - blocks0 - blocks1) * BLOCK_N + local, n2, n0 + n1, K, k_lo, k_hi, eps,
                                   y_ptr, stride_yb, residual_ptr, stride_rb, ws_ptr, count_ptr, slot_index, kslice,
-                                  DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS, PRODUCT, PDL,
-                                  SWAP, WAIT_IN_LOOP, RESIDUAL, SPLIT_K)
+                                  DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS, PRODUCT,
+                                  PDL, SWAP, WAIT_IN_LOOP, RESIDUAL, SPLIT_K)
         if LORA == 3:  # every program before the last has passed its wait: the last one zeroes the counters
             finished = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
             if finished == tl.num_programs(0) - workers - 1:

@@ -38,8 +38,9 @@ eight slots, NF4 1.33 / 3.12, the dense copy 0.72 / 1.69, against 1.16 / 2.31,
 slot the split-key attention takes splits of 16 keys (`decode_attention.split_keys`) and
 NF4 gate/up 4-row tiles: bf16 0.92 ms, NF4 1.17, the dense copy 0.68 at one slot
 (against 1.00, 1.32 and 0.72 in the same run; over 704 keys bf16 0.98 against 1.05),
-eight slots unchanged; then x @ A.T's workers one chunk of K each: 0.88 and 1.13. Forwarding x @ A.T from each launch to the next, so that no
-launch computes its own, was measured slower (bf16 1.15 / 3.48 ms) and not kept.
+eight slots unchanged; then x @ A.T's workers one chunk of K each: 0.88 and 1.13.
+Forwarding x @ A.T from each launch to the next, so that no launch computes its own,
+was measured slower (bf16 1.15 / 3.48 ms) and not kept.
 """
 
 from __future__ import annotations
