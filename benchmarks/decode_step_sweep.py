@@ -47,6 +47,7 @@ VARIANTS = {
     "separate_down": {"lora_sync": None},  # the default tiles, x @ A.T by a `_lora_down` launch of its own
     # the step before the prologue moved into the split-key programs: qk_norm_rope_append, then decode_attention
     "separate_prologue": {"separate_prologue": True},
+    "separate_combine": {"separate_combine": True},  # the attention's splits combined by a launch of their own
     "separate_both": {"lora_sync": None, "separate_prologue": True},  # both launches back: session 7's step
     "attention_tile_32": {"attention_block_l": 32},
     # the split-key programs with fewer warps (fewer registers a program: room beside the qkv launch's programs
@@ -115,10 +116,16 @@ def patched_project(original, options: dict):
     return project
 
 
-def two_launch_attention(qkv, q_weight, k_weight, eps, cos, sin, positions, k_cache, v_cache):
-    """`attend_new_token` as the step took it before: its prologue as a launch of its own."""
+def two_launch_attention(qkv, q_weight, k_weight, eps, cos, sin, positions, k_cache, v_cache, counters=None):
+    """`attend_new_token` as the step took it before session 8: its prologue and its combine as launches of their
+    own."""
     q = qk_norm_rope_append(qkv, q_weight, k_weight, eps, cos, sin, positions, k_cache, v_cache)
     return decode_attention(q, k_cache, v_cache, positions)
+
+
+def separate_combine(*args, counters=None, **kwargs):
+    """`attend_new_token` as the step took it before session 11: the combine as a launch of its own."""
+    return attend_new_token(*args, **kwargs)
 
 
 def bench(model, label: str, slots: int, variants: list[str], args, bandwidth: float, dense_copy: bool) -> list[dict]:
@@ -132,6 +139,8 @@ def bench(model, label: str, slots: int, variants: list[str], args, bandwidth: f
         kernels = options.pop("kernels", True)
         if options.pop("separate_prologue", False):
             fused_step.attend_new_token = two_launch_attention
+        if options.pop("separate_combine", False):
+            fused_step.attend_new_token = separate_combine
         attention = {key.removeprefix("attention_"): options.pop(key) for key in list(options)
                      if key.startswith("attention_")}
         if attention:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="needs Triton (the dev extra installs it)")
-from miniverl.engine.rollout.decode_attention import (attend_new_token, decode_attention,  # noqa: E402
+from miniverl.engine.rollout.decode_attention import (COUNTERS, attend_new_token, decode_attention,  # noqa: E402
                                                       qk_norm_rope_append, split_keys)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -88,6 +88,45 @@ def test_the_prologue_inside_the_split_programs_is_the_two_launches_bit_for_bit(
     assert torch.equal(k_one, k_two) and torch.equal(v_one, v_two)
     assert not torch.equal(k_one, k) and not torch.equal(v_one, v)  # the new entries were written
     assert not torch.equal(decode_attention(q, k, v, positions), want)  # and they count
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (16, 1, 32)], ids=["gqa2", "dot16"])
+@pytest.mark.parametrize("split_len", [None, 16])
+def test_the_combine_in_the_split_launch_is_the_separate_combine_bit_for_bit(heads: int, kv_heads: int, dim: int,
+                                                                              split_len):
+    """With counters the last split program of each (slot, kv head) combines its query heads' splits: the same
+    bits as the combine's own launch, for slots of one key and at a split's first, inner and last key, through
+    decode_attention and attend_new_token; the counters are left zeroed, so a second launch (a replay) reuses
+    them and gives the same again. Keys past a position are still never read."""
+    gen = torch.Generator().manual_seed(heads * 7 + dim)
+    slots, max_len, eps = 4, 100, 1e-6
+    q = torch.randn(slots, heads, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    k = (2 * torch.randn(slots, kv_heads, max_len, dim, generator=gen)).to(torch.bfloat16).to(DEVICE)
+    v = torch.randn(slots, kv_heads, max_len, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    positions = torch.tensor([0, 32, 45, 99], device=DEVICE)
+    counters = torch.zeros(COUNTERS, dtype=torch.int32, device=DEVICE)
+    want = decode_attention(q, k, v, positions, split_len=split_len)
+    for _ in range(2):
+        got = decode_attention(q, k, v, positions, split_len=split_len, counters=counters)
+        assert torch.equal(got, want) and not torch.any(counters)
+    k[0, :, 1:], v[1, :, 33:] = 100.0, -100.0
+    assert torch.equal(decode_attention(q, k, v, positions, split_len=split_len, counters=counters), want)
+    assert float((want.double().cpu() - reference(q, k, v, positions)).norm()) <= 4e-3 * float(want.double().norm())
+
+    qkv = (3 * torch.randn(slots, (heads + 2 * kv_heads) * dim, generator=gen)).to(torch.bfloat16).to(DEVICE)
+    weights = [(1 + 0.3 * torch.randn(dim, generator=gen)).to(torch.bfloat16).to(DEVICE) for _ in range(2)]
+    angles = torch.arange(max_len)[:, None] * torch.rand(dim // 2, generator=gen)[None, :]
+    cos = torch.cat([angles.cos(), angles.cos()], dim=1).to(torch.bfloat16).to(DEVICE)
+    sin = torch.cat([-angles.sin(), angles.sin()], dim=1).to(torch.bfloat16).to(DEVICE)
+    k_two, v_two, k_one, v_one = k.clone(), v.clone(), k.clone(), v.clone()
+    want = attend_new_token(qkv, *weights, eps, cos, sin, positions, k_two, v_two, split_len=split_len)
+    got = attend_new_token(qkv, *weights, eps, cos, sin, positions, k_one, v_one, split_len=split_len,
+                           counters=counters)
+    assert torch.equal(got, want) and torch.equal(k_one, k_two) and torch.equal(v_one, v_two)
+    assert not torch.any(counters)
+    with pytest.raises(ValueError, match="counters must be int32"):
+        decode_attention(q, k, v, positions, counters=torch.zeros(slots * kv_heads - 1, dtype=torch.int32,
+                                                                  device=DEVICE))
 
 
 def test_refuses_shapes_it_cannot_read():

@@ -49,20 +49,20 @@ def compile_for_hopper(kernel, types: dict[str, str], constants: dict, **options
     return triton.compile(source, target=HOPPER, options=options).asm["cubin"]
 
 
-def split_key_attention(prologue: bool, block_l: int, dot: bool):
+def split_key_attention(prologue: bool, block_l: int, dot: bool, combine: bool = False):
     types = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "q_weight_ptr", "k_weight_ptr", "cos_ptr",
                                         "sin_ptr")}
     types.update({"positions_ptr": "*i64", "max_ptr": "*fp32", "sum_ptr": "*fp32", "acc_ptr": "*fp32",
-                  "scale": "fp32", "eps": "fp32"})
+                  "scale": "fp32", "eps": "fp32", "count_ptr": "*i32", "out_ptr": "*bf16"})
     group = 16 if dot else 2
     assert compile_for_hopper(decode_attention._split_attention, types, dict(
         GROUP=group, BLOCK_G=group, HEAD_DIM=128, BLOCK_L=block_l, DOT=dot, PROLOGUE=prologue, N_Q=16, DTYPE=0,
-        PDL=True), launch_pdl=True)
+        COMBINE=combine, BLOCK_S=64, PDL=True), launch_pdl=True)
 
 
 def combine_and_the_separate_prologue():
     assert compile_for_hopper(decode_attention._combine, {"max_ptr": "*fp32", "sum_ptr": "*fp32", "acc_ptr": "*fp32",
-                                                          "out_ptr": "*bf16"},
+                                                          "out_ptr": "*bf16", "positions_ptr": "*i64"},
                               dict(HEAD_DIM=128, BLOCK_S=32, PDL=True), launch_pdl=True)
     types = {name: "*bf16" for name in ("qkv_ptr", "q_weight_ptr", "k_weight_ptr", "cos_ptr", "sin_ptr", "q_ptr",
                                         "k_cache_ptr", "v_cache_ptr")}
@@ -113,6 +113,8 @@ CASES = {
     **{f"attention-{'prologue' if prologue else 'q'}-{block_l}{'-dot' if dot else ''}":
        (split_key_attention, (prologue, block_l, dot))
        for prologue in (True, False) for block_l, dot in ((16, False), (32, False), (32, True))},
+    **{f"attention-combined-{'prologue' if prologue else 'q'}-{block_l}":
+       (split_key_attention, (prologue, block_l, False, True)) for prologue in (True, False) for block_l in (16, 32)},
     "combine-and-prologue": (combine_and_the_separate_prologue, ()),
     **{f"project-{name}": (projection, (name,)) for name in PROJECTIONS},
 }
