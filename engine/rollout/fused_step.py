@@ -48,7 +48,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from miniverl.engine.rollout.decode_attention import COUNTERS, attend_new_token
+from miniverl.engine.rollout.decode_attention import attend_new_token
 from miniverl.engine.rollout.decode_projection import SPLIT_COUNTERS, Weight, project, stack_lora_a
 
 
@@ -109,8 +109,6 @@ def plan_layers(body: torch.nn.Module, dtype: torch.dtype, lora_parts, dense_of=
             **{f"{name}_sync": torch.zeros(2, dtype=torch.int32, device=device) for name in groups},
             # and for K split across programs (`project(split_k=...)`), one a tile
             **{f"{name}_split": torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device) for name in groups},
-            # and for the attention's splits combined in its split-key launch (`attend_new_token(counters=...)`)
-            "attention_counters": torch.zeros(COUNTERS, dtype=torch.int32, device=device),
             "input_norm": layer.input_layernorm, "post_norm": layer.post_attention_layernorm,
             "q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight, "qk_eps": attn.q_norm.variance_epsilon,
         })
@@ -136,7 +134,7 @@ def decode_step(decoder, fused: list[dict]) -> torch.Tensor:
         qkv = project(h, f["qkv"], norm_weight=norm.weight, eps=norm.variance_epsilon, lora_a_stacked=f["qkv_a"],
                       lora_sync=f["qkv_sync"], split_counters=f["qkv_split"])
         attended = attend_new_token(qkv, f["q_norm"], f["k_norm"], f["qk_eps"], cos, sin, positions_S,
-                                    decoder.k_cache[index], decoder.v_cache[index], counters=f["attention_counters"])
+                                    decoder.k_cache[index], decoder.v_cache[index])  # the separate combine: 0.897 vs 0.928 ms folded (H200)
         h = project(attended.view(S, -1), f["o"], residual=h, lora_a_stacked=f["o_a"], lora_sync=f["o_sync"],
                     split_counters=f["o_split"])
         norm = f["post_norm"]
