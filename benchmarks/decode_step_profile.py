@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_bench import engine_generate, replay_ms, save_qwen3_0_6b  # noqa: E402
 
 LAYER = ["qkv", "attention", "combine", "o", "gate_up", "down"]  # fused_step.decode_step's launches in order
-FOLDED = [place for place in LAYER if place != "combine"]  # with the combine in the split-key launch
 
 
 def kernel_rows(trace: Path) -> list[dict]:
@@ -49,16 +48,16 @@ def split_steps(kernels: list[dict], per_step: int) -> list[list[dict]]:
     return [kernels[i:i + per_step] for i in range(0, len(kernels) - per_step + 1, per_step)]
 
 
-def attribute(step: list[dict], layers: int, layer: list[str]) -> dict:
+def attribute(step: list[dict], layers: int) -> dict:
     """Per place in a layer: summed duration and summed end-to-end increment (us) over the layers."""
     first = next(i for i, k in enumerate(step) if k["name"].startswith("_project"))
     out = {"before_us": step[first - 1]["ts"] + step[first - 1]["dur"] - step[0]["ts"] if first else 0.0,
            "step_us": step[-1]["ts"] + step[-1]["dur"] - step[0]["ts"]}
-    places = {p: {"dur_us": 0.0, "adds_us": 0.0, "start_gap_us": 0.0} for p in layer}
+    places = {p: {"dur_us": 0.0, "adds_us": 0.0, "start_gap_us": 0.0} for p in LAYER}
     prev_end = step[first - 1]["ts"] + step[first - 1]["dur"] if first else step[0]["ts"]
-    for index in range(layers * len(layer)):
+    for index in range(layers * len(LAYER)):
         k = step[first + index]
-        place = places[layer[index % len(layer)]]
+        place = places[LAYER[index % len(LAYER)]]
         end = k["ts"] + k["dur"]
         place["dur_us"] += k["dur"]
         place["adds_us"] += end - prev_end
@@ -66,9 +65,9 @@ def attribute(step: list[dict], layers: int, layer: list[str]) -> dict:
         prev_end = end
     out["places"] = places
     out["after_us"] = step[-1]["ts"] + step[-1]["dur"] - prev_end
-    out["after_kernels"] = [k["name"][:60] for k in step[first + layers * len(layer):]]
+    out["after_kernels"] = [k["name"][:60] for k in step[first + layers * len(LAYER):]]
     out["before_kernels"] = [k["name"][:60] for k in step[:first]]
-    out["names"] = sorted({k["name"][:80] for k in step[first:first + len(layer)]})
+    out["names"] = sorted({k["name"][:80] for k in step[first:first + len(LAYER)]})
     return out
 
 
@@ -85,10 +84,9 @@ def profile(decoder: StaticDecoder, reps: int, tmp: Path, label: str) -> dict:
     kernels = kernel_rows(trace)
     per_step = len(kernels) // reps
     layers = len(decoder.fused)
-    layer = LAYER if any(k["name"].startswith("_combine") for k in kernels) else FOLDED
-    steps = [attribute(s, layers, layer) for s in split_steps(kernels, per_step)][1:]  # the first is warm-up
+    steps = [attribute(s, layers) for s in split_steps(kernels, per_step)][1:]  # the first is warm-up
     place_mean = {p: {key: statistics.median(s["places"][p][key] for s in steps) for key in steps[0]["places"][p]}
-                  for p in layer}
+                  for p in LAYER}
     return {"kernels_per_step": per_step, "steps_profiled": len(steps),
             "step_us_median": statistics.median(s["step_us"] for s in steps),
             "before_us": statistics.median(s["before_us"] for s in steps),

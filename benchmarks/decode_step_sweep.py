@@ -33,7 +33,8 @@ from miniverl.engine.core.recipe import LoraSpec
 from miniverl.engine.models.loading import attach_lora, load_causal_lm
 from miniverl.engine.rollout import fused_step
 from miniverl.engine.rollout.cuda_graph import StaticDecoder
-from miniverl.engine.rollout.decode_attention import attend_new_token, decode_attention, qk_norm_rope_append
+from miniverl.engine.rollout.decode_attention import (COUNTERS, attend_new_token, decode_attention,
+                                                      qk_norm_rope_append)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_bench import common_prefix, copy_bandwidth, engine_generate, replay_ms, save_qwen3_0_6b, step_bytes  # noqa: E402
@@ -47,7 +48,9 @@ VARIANTS = {
     "separate_down": {"lora_sync": None},  # the default tiles, x @ A.T by a `_lora_down` launch of its own
     # the step before the prologue moved into the split-key programs: qk_norm_rope_append, then decode_attention
     "separate_prologue": {"separate_prologue": True},
-    "separate_combine": {"separate_combine": True},  # the attention's splits combined by a launch of their own
+    # the attention's splits combined by the split-key launch's last program per (slot, kv head) (opt-in
+    # `counters`); measured slower than the separate combine launch the step ships (session 12)
+    "folded_combine": {"folded_combine": True},
     "separate_both": {"lora_sync": None, "separate_prologue": True},  # both launches back: session 7's step
     "attention_tile_32": {"attention_block_l": 32},
     # the split-key programs with fewer warps (fewer registers a program: room beside the qkv launch's programs
@@ -116,16 +119,17 @@ def patched_project(original, options: dict):
     return project
 
 
-def two_launch_attention(qkv, q_weight, k_weight, eps, cos, sin, positions, k_cache, v_cache, counters=None):
+def two_launch_attention(qkv, q_weight, k_weight, eps, cos, sin, positions, k_cache, v_cache):
     """`attend_new_token` as the step took it before session 8: its prologue and its combine as launches of their
     own."""
     q = qk_norm_rope_append(qkv, q_weight, k_weight, eps, cos, sin, positions, k_cache, v_cache)
     return decode_attention(q, k_cache, v_cache, positions)
 
 
-def separate_combine(*args, counters=None, **kwargs):
-    """`attend_new_token` as the step took it before session 11: the combine as a launch of its own."""
-    return attend_new_token(*args, **kwargs)
+def folded_combine(counters: torch.Tensor):
+    """`attend_new_token` with the combine in the split-key launch; every launch re-zeroes the counters it used,
+    so one tensor serves every layer."""
+    return functools.partial(attend_new_token, counters=counters)
 
 
 def bench(model, label: str, slots: int, variants: list[str], args, bandwidth: float, dense_copy: bool) -> list[dict]:
@@ -139,8 +143,8 @@ def bench(model, label: str, slots: int, variants: list[str], args, bandwidth: f
         kernels = options.pop("kernels", True)
         if options.pop("separate_prologue", False):
             fused_step.attend_new_token = two_launch_attention
-        if options.pop("separate_combine", False):
-            fused_step.attend_new_token = separate_combine
+        if options.pop("folded_combine", False):
+            fused_step.attend_new_token = folded_combine(torch.zeros(COUNTERS, dtype=torch.int32, device="cuda"))
         attention = {key.removeprefix("attention_"): options.pop(key) for key in list(options)
                      if key.startswith("attention_")}
         if attention:

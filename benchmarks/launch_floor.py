@@ -17,6 +17,7 @@ whatever its kernels do.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shlex
 import sys
@@ -28,6 +29,9 @@ import triton.language as tl
 
 from miniverl.engine.core.device import environment
 from miniverl.engine.rollout.decode_projection import gdc_launch_dependents, gdc_wait
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_kernels_bench import graph_us  # noqa: E402
 
 
 @triton.jit
@@ -60,25 +64,14 @@ def chain_us(programs: int, launches: int, width: int, preload_kib: int, pdl: bo
     preload = preload_kib * 1024 // 4
     options = {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
-    def run() -> None:
-        for i in range(launches):
-            _link[(programs,)](buffers[i % 2], buffers[(i + 1) % 2], const, width, preload, PER_PROGRAM=per_program,
-                               WIDTH=triton.next_power_of_2(width), PRELOAD=min(1024, max(1, preload)), **options)
+    links = itertools.count()
 
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for _ in range(5):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / reps / launches
+    def link() -> None:  # each launch reads the buffer the one before wrote
+        i = next(links)
+        _link[(programs,)](buffers[i % 2], buffers[(i + 1) % 2], const, width, preload, PER_PROGRAM=per_program,
+                           WIDTH=triton.next_power_of_2(width), PRELOAD=min(1024, max(1, preload)), **options)
+
+    return graph_us(link, launches, reps)
 
 
 def main() -> None:

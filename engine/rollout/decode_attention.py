@@ -1,25 +1,29 @@
 """One decode step's attention over the static KV cache, in Triton: its prologue and the split-key attention.
 
-`qk_norm_rope_append` takes the qkv projection's output to q and the new
-cache entries (q_norm, k_norm, rotary embedding, append); `decode_attention`
-attends, split along the keys (flash-decoding). The kernel step (fused_step.py)
-takes both in `attend_new_token`, whose split-key programs do the prologue
-themselves (one launch fewer a layer, the same bits). Measured on an H200 (benchmarks/results/decode_kernels_h200_session4.md)
-it takes 8.0 us at one slot against SDPA's 12.0 over the masked cache, and
-23.5 against 16.5 at eight. The cache is the CUDA-graph decoder's
-(`cuda_graph.StaticDecoder`): [slots, kv_heads, max_len, head_dim] for one
-layer, each slot attending to its keys 0..position inclusive, so slots at
-different lengths share one launch and no mask tensor exists.
+`qk_norm_rope_append` takes the qkv projection's output to q and the new cache
+entries (q_norm, k_norm, rotary embedding, append); `decode_attention` attends,
+split along the keys (flash-decoding). The kernel step (fused_step.py) takes
+both in `attend_new_token`, whose split-key programs do the prologue themselves
+(one launch fewer a layer, the same bits). Measured on an H200
+(benchmarks/results/decode_kernels_h200_session4.md) it takes 8.0 us at one slot
+against SDPA's 12.0 over the masked cache, and 23.5 against 16.5 at eight. The
+cache is the CUDA-graph decoder's (`cuda_graph.StaticDecoder`): [slots,
+kv_heads, max_len, head_dim] for one layer, each slot attending to its keys
+0..position inclusive, so slots at different lengths share one launch and no
+mask tensor exists.
 
-Pass 1, one program per (slot, kv head, key split): the query heads that
-share the kv head (grouped-query attention) take their scores against the
-split's keys, and keep the split's max, sum of exponentials and weighted
-values (broadcast products: with two query heads per kv head a dot would pad
-them to 16 rows). Pass 2, one program per (slot, query head): the splits combined by
-their maxima. With short contexts (704 tokens) and batch 1 there are only
-kv_heads slots x heads of work; the split gives the SMs enough programs
-(`split_keys`: at one slot splits of 16 keys, since the programs' own latency,
-not their bytes, is what the step waits for). All softmax arithmetic is float32.
+Pass 1, one program per (slot, kv head, key split): the query heads that share
+the kv head (grouped-query attention) take their scores against the split's
+keys, and keep the split's max, sum of exponentials and weighted values
+(broadcast products: with two query heads per kv head a dot would pad them to 16
+rows). Pass 2, one program per (slot, query head): the splits combined by their
+maxima; or, with `counters`, by the last split-key program to finish for each
+(slot, kv head), in the same launch (the same bits; measured slower in the step
+on an H200, so the step does not pass them). With short contexts (704 tokens)
+and batch 1 there are only kv_heads slots x heads of work; the split gives the
+SMs enough programs (`split_keys`: at one slot splits of 16 keys, since the
+programs' own latency, not their bytes, is what the step waits for). All
+softmax arithmetic is float32.
 """
 
 from __future__ import annotations

@@ -40,7 +40,10 @@ NF4 gate/up 4-row tiles: bf16 0.92 ms, NF4 1.17, the dense copy 0.68 at one slot
 (against 1.00, 1.32 and 0.72 in the same run; over 704 keys bf16 0.98 against 1.05),
 eight slots unchanged; then x @ A.T's workers one chunk of K each: 0.88 and 1.13.
 Forwarding x @ A.T from each launch to the next, so that no launch computes its own,
-was measured slower (bf16 1.15 / 3.48 ms) and not kept.
+was measured slower (bf16 1.15 / 3.48 ms) and not kept. Session 12: combining the
+attention's splits inside the split-key launch (`attend_new_token(counters=...)`)
+was slower too (bf16 0.928 against 0.897 ms at one slot, NF4 1.188 against 1.135),
+so the step keeps the combine as a launch of its own.
 """
 
 from __future__ import annotations
@@ -133,8 +136,10 @@ def decode_step(decoder, fused: list[dict]) -> torch.Tensor:
         norm = f["input_norm"]
         qkv = project(h, f["qkv"], norm_weight=norm.weight, eps=norm.variance_epsilon, lora_a_stacked=f["qkv_a"],
                       lora_sync=f["qkv_sync"], split_counters=f["qkv_split"])
+        # no `counters`: the separate combine launch measured faster than folding it into the split-key launch
+        # (benchmarks/results/decode_step_sweep_h200.md, session 12)
         attended = attend_new_token(qkv, f["q_norm"], f["k_norm"], f["qk_eps"], cos, sin, positions_S,
-                                    decoder.k_cache[index], decoder.v_cache[index])  # the separate combine: 0.897 vs 0.928 ms folded (H200)
+                                    decoder.k_cache[index], decoder.v_cache[index])
         h = project(attended.view(S, -1), f["o"], residual=h, lora_a_stacked=f["o_a"], lora_sync=f["o_sync"],
                     split_counters=f["o_split"])
         norm = f["post_norm"]
