@@ -98,6 +98,25 @@ VARIANTS = {
                              "once": True},
     "swap_16x1024_s1_w8": {"product": 1, "swap": True, "block_n": 16, "block_k": 1024, "num_stages": 1,
                            "num_warps": 8},
+    # swapped tiles with each tile's K over `split_k` programs (x @ A.T then once, by the launch's first programs):
+    # more programs for o_proj's and down_proj's 1024 rows at a few dense rows of x
+    "swap_16x256_s3_split2": {"product": 1, "swap": True, "block_n": 16, "block_k": 256, "num_stages": 3,
+                             "split_k": 2},
+    "swap_16x256_s3_split4": {"product": 1, "swap": True, "block_n": 16, "block_k": 256, "num_stages": 3,
+                             "split_k": 4},
+    "swap_32x256_s3_split2": {"product": 1, "swap": True, "block_n": 32, "block_k": 256, "num_stages": 3,
+                             "split_k": 2},
+    "swap_32x256_s3_split4": {"product": 1, "swap": True, "block_n": 32, "block_k": 256, "num_stages": 3,
+                             "split_k": 4},
+    "swap_64x256_s3_split2": {"product": 1, "swap": True, "block_n": 64, "block_k": 256, "num_stages": 3,
+                             "split_k": 2},
+    "swap_64x256_s3_split4": {"product": 1, "swap": True, "block_n": 64, "block_k": 256, "num_stages": 3,
+                             "split_k": 4},
+    # broadcast tiles (NF4 up to 8 rows) narrower or shorter, K split
+    "bcast_4x1024_split4": {"product": 2, "block_n": 4, "block_k": 1024, "split_k": 4},
+    "bcast_8x512_split4": {"product": 2, "block_n": 8, "block_k": 512, "split_k": 4},
+    "bcast_4x512_split8": {"product": 2, "block_n": 4, "block_k": 512, "split_k": 8},
+    "bcast_2x1024_split4": {"product": 2, "block_n": 2, "block_k": 1024, "split_k": 4},
 }
 DEFAULT_VARIANTS = ["default", "module", "separate_down", "broadcast_8x1024_once", "tc_16x256_once",
                     "swap_32x256_s3", "swap_16x256_s3", "swap_64x256_s3", "swap_16x512_s1"]
