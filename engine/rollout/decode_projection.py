@@ -468,8 +468,8 @@ def _split_finish(acc, acc1, ws_ptr, count_ptr, slot_index, kslice, rows, row_ok
                   BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr):
     """Split K: this program's partial product(s) [BLOCK_B, BLOCK_N] (TWO: gate's and up's) into the workspace,
     then the program that arrives last at the tile's counter sums the SPLIT_K partials in order and adds the
-    LoRA (B's tiles and the residual read before the counter) and the residual; it zeroes the counter for the
-    next launch. Returns ([BLOCK_N] whether this program holds the sums, the sums, the second sums)."""
+    LoRA (LORA 2 or 3: x @ A.T computed once; B's tiles and the residual read before the counter) and the
+    residual; it zeroes the counter for the next launch. Returns ([BLOCK_N] whether this program holds the sums, the sums, the second sums)."""
     ranks = tl.arange(0, BLOCK_R)
     cells = tl.arange(0, BLOCK_B)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     size: tl.constexpr = BLOCK_B * BLOCK_N
@@ -519,7 +519,10 @@ def _part(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, c
           WAIT_IN_LOOP: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr):
     """One weight's rows of a side-by-side launch into y[:, col0 + rows] (+ residual): the tile, and with SPLIT_K
     its partial over K until the last program of the tile sums them (the LoRA and residual applied there)."""
-    TILE_LORA: tl.constexpr = LORA if SPLIT_K == 1 else 0  # with a split, the last program adds them
+    # with a split the last program adds x @ A.T's product with B, unless every program computes its K's share of
+    # x @ A.T (LORA 1): then each applies B to that share, and the partials carry it (the product is linear)
+    TILE_LORA: tl.constexpr = LORA if SPLIT_K == 1 or LORA == 1 else 0
+    FINISH_LORA: tl.constexpr = 0 if LORA == 1 else LORA
     TILE_RESIDUAL: tl.constexpr = RESIDUAL and SPLIT_K == 1
     acc, _ = _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
                    a_ptr, b_ptr, w_ptr, absmax_ptr, absmax2_ptr, offset, a_ptr, b_ptr, r, batch, stride_xa, sync_ptr,
@@ -530,8 +533,8 @@ def _part(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, c
     if SPLIT_K > 1:  # only the program that holds the sums stores
         done, acc, _ = _split_finish(acc, acc, ws_ptr, count_ptr, slot_index, kslice, rows, row_ok, batch,
                                      batch_ok, a_ptr, b_ptr, a_ptr, b_ptr, r, stride_xa, sync_ptr, workers,
-                                     residual_ptr, stride_rb, col0, SPLIT_K, LORA, False, RESIDUAL, BLOCK_B, BLOCK_N,
-                                     BLOCK_R, CHUNKS)
+                                     residual_ptr, stride_rb, col0, SPLIT_K, FINISH_LORA, False, RESIDUAL, BLOCK_B,
+                                     BLOCK_N, BLOCK_R, CHUNKS)
         row_ok = row_ok & done
     _store(acc, y_ptr, stride_yb, batch, batch_ok, col0 + rows, row_ok, residual_ptr, stride_rb, False)
 
@@ -590,7 +593,8 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
         slot_index = tl.program_id(1) * ((tl.num_programs(0) - workers) // SPLIT_K) + block
         if SILU_MUL:  # gate (part 0) and up (part 1), the same rows: SiLU(gate) * up, each rounded as the modules round
             rows = block * BLOCK_N + local
-            TILE_LORA: tl.constexpr = LORA if SPLIT_K == 1 else 0
+            TILE_LORA: tl.constexpr = LORA if SPLIT_K == 1 or LORA == 1 else 0  # as `_part` splits it
+            FINISH_LORA: tl.constexpr = 0 if LORA == 1 else LORA
             if PAIR:
                 gate, up = _tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr,
                                  offset0, a0, b0, w1, absmax1, absmax2_1, offset1, a1, b1, r, batch, stride_xa,
@@ -612,8 +616,8 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
             if SPLIT_K > 1:
                 done, gate, up = _split_finish(gate, up, ws_ptr, count_ptr, slot_index, kslice, rows, rows < n0,
                                                batch, batch_ok, a0, b0, a1, b1, r, stride_xa, sync_ptr, workers,
-                                               residual_ptr, stride_rb, 0, SPLIT_K, LORA, True, False, BLOCK_B,
-                                               BLOCK_N, BLOCK_R, CHUNKS)
+                                               residual_ptr, stride_rb, 0, SPLIT_K, FINISH_LORA, True, False,
+                                               BLOCK_B, BLOCK_N, BLOCK_R, CHUNKS)
             gate, up = round_to_dtype(gate, DTYPE), round_to_dtype(up, DTYPE)
             acc = round_to_dtype(gate / (1.0 + tl.exp(-gate)), DTYPE) * up
             _store(acc, y_ptr, stride_yb, batch, batch_ok, rows, (rows < n0) & done, residual_ptr, stride_rb,
@@ -761,11 +765,11 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     `span_k` (broadcast products): one tile as wide as K (up to `SPAN_K_MAX`) with as many fewer weight rows,
     the same elements a tile, so that every program's weights are read in one step, before PDL's wait.
     `split_k` (None: the tiles' choice): each tile's K split over up to that many programs, their float32
-    partials summed in order by the last of them, which adds the LoRA (x @ A.T computed once, whatever
-    `a_per_program` says) and the residual; it needs `split_counters`, int32 zeros on x's device with one entry a
-    tile (`SPLIT_COUNTERS` covers the decoder's launches), owned by the call site and left zeroed, and
-    `lora_a_stacked` where the weights carry LoRA; without them K is not split. `pair` (None: the tiles' choice):
-    gate's and up's weight tiles in one loop.
+    partials summed in order by the last of them, which adds the residual, and the LoRA where x @ A.T is computed
+    once (`lora_a_stacked`); with A per program each program adds its K's share of x @ A.T times B to its
+    partial. It needs `split_counters`, int32 zeros on x's device with one entry a tile (`SPLIT_COUNTERS` covers
+    the decoder's launches), owned by the call site and left zeroed; without them K is not split. `pair` (None:
+    the tiles' choice): gate's and up's weight tiles in one loop.
     """
     k = weights[0].k
     default = tile_config(x.shape[0], x.is_cuda, weights[0].dense, silu_mul)
@@ -781,10 +785,8 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     pair = default.pair if pair is None else pair
     first = weights[0]
     rank = 0 if first.lora_a is None else first.lora_a.shape[0]
-    if split_counters is None or (rank and lora_a_stacked is None):
+    if split_counters is None:
         split_k = 1
-    if split_k > 1:
-        a_per_program = False
     if a_per_program:
         lora_a_stacked = None
     if span_k and product == PRODUCT_BROADCAST and triton.next_power_of_2(k) > block_k:

@@ -222,7 +222,7 @@ def test_swapped_tiles_silu_mul_and_residual(kind: str, product: int, stacked: b
 def test_k_split_across_programs_is_the_same_projection(kind: str, product: int, swap: bool, batch: int):
     """split_k: each tile's K over several programs, the last of them summing the partials and adding LoRA and
     residual: against float64 for three weights with a norm, SiLU·mul and a residual (x @ A.T in the launch's own
-    programs), close to the unsplit launch, the counters left zeroed for the next launch (twice over the same
+    programs, or each program's share of it times B in its partial), close to the unsplit launch, the counters left zeroed for the next launch (twice over the same
     counters), and each tile's counter counts two programs at split 2 (so the split did happen)."""
     gen = torch.Generator().manual_seed(5 + batch)
     k, eps = 192, 1e-6  # three 64-column tiles: split 2 takes two and one, split 4 one each
@@ -243,13 +243,12 @@ def test_k_split_across_programs_is_the_same_projection(kind: str, product: int,
         ([down[0]], {"residual": residual},
          residual.double().cpu() + linear64(x.double().cpu(), down[1], down[2], down[3]), x),
     ]
-    for split, repeats in ((2, 2), (4, 1)):
-        for weights, options, want, inputs in launches:
-            whole = project(inputs, weights, **options, **tiles, lora_a_stacked=stack_lora_a(weights),
-                            lora_sync=sync)
+    for split, repeats, once in ((2, 2, True), (4, 1, True), (2, 1, False)):
+        for weights, options, want, inputs in launches:  # once: x @ A.T by the launch's first programs
+            lora = {"lora_a_stacked": stack_lora_a(weights), "lora_sync": sync} if once else {"a_per_program": True}
+            whole = project(inputs, weights, **options, **tiles, **lora)
             for _ in range(repeats):
-                got = project(inputs, weights, **options, **tiles, lora_a_stacked=stack_lora_a(weights),
-                              lora_sync=sync, split_k=split, split_counters=counters)
+                got = project(inputs, weights, **options, **tiles, **lora, split_k=split, split_counters=counters)
                 assert rel(got, want) <= 1e-2 and rel(got, whole.double().cpu()) <= 1e-2
                 assert not counters.any() and sync.tolist() == [0, 0]
     held = torch.full((64,), 100, dtype=torch.int32, device=DEVICE)  # no program is ever last: nothing resets them
