@@ -122,11 +122,13 @@ VARIANTS = {
                              "split_k": 3},
     "swap_64x128_s4_split2": {"product": 1, "swap": True, "block_n": 64, "block_k": 128, "num_stages": 4,
                              "split_k": 2},
-    # broadcast tiles (NF4 up to 8 rows) narrower or shorter, K split
-    "bcast_4x1024_split4": {"product": 2, "block_n": 4, "block_k": 1024, "split_k": 4},
-    "bcast_8x512_split4": {"product": 2, "block_n": 8, "block_k": 512, "split_k": 4},
-    "bcast_4x512_split8": {"product": 2, "block_n": 4, "block_k": 512, "split_k": 8},
-    "bcast_2x1024_split4": {"product": 2, "block_n": 2, "block_k": 1024, "split_k": 4},
+    # broadcast tiles (NF4 up to 8 rows) narrower or shorter, K split, x @ A.T once (the launch's first programs);
+    # 8 x 1024 split 4 is NF4's tile up to 8 rows, for dense weights past one row
+    "bcast_8x1024_split4": {"product": 2, "block_n": 8, "block_k": 1024, "split_k": 4, "once": True},
+    "bcast_4x1024_split4": {"product": 2, "block_n": 4, "block_k": 1024, "split_k": 4, "once": True},
+    "bcast_8x512_split4": {"product": 2, "block_n": 8, "block_k": 512, "split_k": 4, "once": True},
+    "bcast_4x512_split8": {"product": 2, "block_n": 4, "block_k": 512, "split_k": 8, "once": True},
+    "bcast_2x1024_split4": {"product": 2, "block_n": 2, "block_k": 1024, "split_k": 4, "once": True},
 }
 DEFAULT_VARIANTS = ["default", "module", "separate_down", "broadcast_8x1024_once", "tc_16x256_once",
                     "swap_32x256_s3", "swap_16x256_s3", "swap_64x256_s3", "swap_16x512_s1"]

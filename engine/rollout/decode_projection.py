@@ -723,23 +723,33 @@ class Tiles:
     pair: bool = True  # gate's and up's tiles in one loop
 
 
-def tile_config(batch: int, on_gpu: bool, dense: bool = False, silu_mul: bool = False) -> Tiles:
+def tile_config(batch: int, on_gpu: bool, dense: bool = False, silu_mul: bool = False, lora: bool = True) -> Tiles:
     """The tiles for a launch over `batch` rows of x, from the whole replayed step on one H200
-    (benchmarks/results/decode_step_sweep_h200.md): NF4 up to 8 rows, and any weights at one row, broadcast
-    sums over 8-row weight tiles 1024 wide (many programs, each weight load issued before the wait on the
-    previous launch), K split over up to 4 programs where it is wider (o_proj and down_proj: every program's
-    weights read before the wait), gate's and up's tiles in one loop; dense weights from 2 rows, swapped
-    tensor-core tiles 32 x 256 over 3 stages with x @ A.T in every program, gate's loop then up's (2.36 ms
-    against 3.45 for the unswapped tiles and 2.78 for the module step at 8 bf16 rows in session 7; split K and
-    one loop for gate and up were slower there in session 9); past 8 rows tensor-core tiles. NF4 gate and up at
-    one row (`silu_mul`) take 4-row tiles: fewer registers a program, and the step 1.174 ms against 1.223 with
-    8-row ones in session 10 (bf16 weights were slower so: 1.020 against 0.933)."""
+    (benchmarks/results/decode_step_sweep_h200.md).
+
+    Broadcast sums (NF4 up to 8 rows, dense weights up to 4): weight tiles 1024 wide, 8 rows (many programs, each
+    weight load issued before the wait on the previous launch), K split over up to 4 programs where it is wider
+    (o_proj and down_proj: every program's weights read before the wait), gate's and up's tiles in one loop.
+    NF4 gate and up at one row take 4-row tiles (the step 1.174 ms against 1.223 with 8-row ones in session 10;
+    bf16 1.020 against 0.933), and so do dense weights without an adapter at 2-4 rows (session 13: 0.909 against
+    0.935 ms at 2 rows, 1.121 against 1.228 at 4; with LoRA 8 rows, 1.197 against 1.279 at 2). Dense weights
+    at 2 and 4 rows took 1.197 and 1.600 ms so with LoRA against 2.079 and 1.877 in swapped tiles (session 13).
+
+    Swapped tensor-core tiles (dense weights from 5 rows): 32 x 256 over 3 stages with x @ A.T in every program,
+    gate's loop then up's (2.36 ms against 3.45 for the unswapped tiles and 2.78 for the module step at 8 bf16
+    rows in session 7; one loop for gate and up was slower in session 9); up to 8 rows without an adapter K split
+    over 2 programs (1.384 against 1.635 ms at 8 rows in session 13; with LoRA 2.166 against 1.954, so not
+    there). NF4 past 8 rows: tensor-core tiles.
+    """
     if not on_gpu:  # Triton's interpreter runs programs one by one in Python: the fewest, largest tiles
         return Tiles(PRODUCT_DOT32, 64, 1024)
-    if dense and batch > 1:
-        return Tiles(PRODUCT_TENSOR_CORE, 32, 256, swap=True, num_stages=3, a_per_program=True, pair=False)
+    if dense and batch > 4:
+        split = 2 if not lora and batch <= 8 else 1
+        return Tiles(PRODUCT_TENSOR_CORE, 32, 256, swap=True, num_stages=3, a_per_program=True, pair=False,
+                     split_k=split)
     if batch <= 8:
-        return Tiles(PRODUCT_BROADCAST, 4 if silu_mul and not dense and batch == 1 else 8, 1024, split_k=4)
+        narrow = (silu_mul and not dense and batch == 1) or (dense and not lora and batch > 1)
+        return Tiles(PRODUCT_BROADCAST, 4 if narrow else 8, 1024, split_k=4)
     return Tiles(PRODUCT_TENSOR_CORE, 32, 256)
 
 
@@ -772,7 +782,7 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     the tiles' choice): gate's and up's weight tiles in one loop.
     """
     k = weights[0].k
-    default = tile_config(x.shape[0], x.is_cuda, weights[0].dense, silu_mul)
+    default = tile_config(x.shape[0], x.is_cuda, weights[0].dense, silu_mul, weights[0].lora_a is not None)
     if product is not None:  # a caller naming its product names its tiles: no swap, stages or A per program implied
         default = Tiles(product, default.block_n, default.block_k)
     product = default.product

@@ -19,7 +19,7 @@ Where it is faster (`AUTO_MAX_SLOTS`, from the replayed step on one H200 at
 Qwen3-0.6B's shape with LoRA r16, benchmarks/results/decode_step_sweep_h200.md,
 its final table): NF4 1.60 ms against the module step's 3.57 at one slot, 3.98
 against 5.10 at eight, but 14.06 against 6.57 at 32; bf16 1.19 against 2.56 at
-one slot, 2.37 against 2.78 at eight (dense weights past one row take swapped
+one slot, 2.37 against 2.78 at eight (dense weights past four rows take swapped
 tensor-core tiles, `tile_config`). With `rollout.dense_copy` (the adapter merged
 into the copy) 0.82 against 2.11 at one slot and 1.77 against 2.15 at eight, so
 `auto` counts the copy as dense weights. Dense weights were faster at 32 too

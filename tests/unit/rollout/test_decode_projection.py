@@ -15,7 +15,8 @@ import torch
 
 pytest.importorskip("triton", reason="needs Triton (the dev extra installs it)")
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
-from miniverl.engine.rollout.decode_projection import Weight, project, stack_lora_a, tile_config  # noqa: E402
+from miniverl.engine.rollout.decode_projection import (  # noqa: E402
+    PRODUCT_BROADCAST, Tiles, Weight, project, stack_lora_a, tile_config)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # How the tiles multiply (decode_projection._product): float32 dots, broadcast sums, and on a GPU tensor-core
@@ -108,7 +109,7 @@ def test_x_times_a_once_per_launch_is_the_same_projection(kind: str, batch: int)
 
 
 @pytest.mark.parametrize("kind", ["nf4", "dense"])
-@pytest.mark.parametrize("batch", [1, 8, 17])
+@pytest.mark.parametrize("batch", [1, 3, 8, 17])
 def test_the_tiles_a_gpu_takes_are_the_same_projection(kind: str, batch: int):
     """Each launch `tile_config` picks on a GPU (in the interpreter float32 dots for tensor-core ones), with the A
     matrices stacked as fused_step passes them: against float64, and A per program where the tiles say so (the
@@ -119,7 +120,7 @@ def test_the_tiles_a_gpu_takes_are_the_same_projection(kind: str, batch: int):
     weights = [w for w, *_ in parts]
     x, gamma = draw(gen, batch, k, s=3.0), draw(gen, k, s=0.5)
     tiles = tile_config(batch, on_gpu=True, dense=kind == "dense")
-    assert tiles.swap == (kind == "dense" and batch > 1)  # swapped tensor-core tiles: dense weights past one row
+    assert tiles.swap == (kind == "dense" and batch > 4)  # swapped tensor-core tiles: dense weights past 4 rows
     product = tiles.product if tiles.product in PRODUCTS else 0  # the interpreter's dot for a tensor-core one
     counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
     y = project(x, weights, norm_weight=gamma, eps=eps, product=product, block_n=tiles.block_n,
@@ -132,7 +133,7 @@ def test_the_tiles_a_gpu_takes_are_the_same_projection(kind: str, batch: int):
     # gate and up, with the tiles a SiLU·mul launch takes (NF4 at one row: 4-row tiles)
     (gate, g64, ga, gb), (up, u64, ua, ub) = make(kind, 64, k, 8, gen), make(kind, 64, k, 8, gen)
     tiles = tile_config(batch, on_gpu=True, dense=kind == "dense", silu_mul=True)
-    broadcast = batch == 1 or (kind == "nf4" and batch <= 8)
+    broadcast = batch <= (8 if kind == "nf4" else 4)
     assert tiles.block_n == (4 if kind == "nf4" and batch == 1 else 8 if broadcast else 32)
     product = tiles.product if tiles.product in PRODUCTS else 0
     act = project(x, [gate, up], norm_weight=gamma, eps=eps, silu_mul=True, product=product, block_n=tiles.block_n,
@@ -142,6 +143,32 @@ def test_the_tiles_a_gpu_takes_are_the_same_projection(kind: str, batch: int):
                   pair=tiles.pair)
     g, u = linear64(x64, g64, ga, gb), linear64(x64, u64, ua, ub)
     assert rel(act, g * torch.sigmoid(g) * u) <= 1e-2
+    assert not counters.any()
+
+
+@pytest.mark.parametrize("batch", [3, 8])
+def test_the_tiles_a_gpu_takes_for_dense_weights_without_an_adapter(batch: int):
+    """A merged dense copy (no adapter): 4-row broadcast tiles up to 4 rows, swapped tiles with K over 2 programs
+    up to 8 (`tile_config`, session 13's sweep), the same projection as float64 for a side-by-side launch with a
+    norm and for one with a residual, the counters left zeroed."""
+    assert tile_config(3, True, dense=True, lora=False) == Tiles(PRODUCT_BROADCAST, 4, 1024, split_k=4)
+    assert tile_config(3, True, dense=True) == Tiles(PRODUCT_BROADCAST, 8, 1024, split_k=4)
+    assert tile_config(8, True, dense=True, lora=False).split_k == 2 and tile_config(8, True, dense=True).split_k == 1
+    assert tile_config(17, True, dense=True, lora=False).split_k == 1
+    gen = torch.Generator().manual_seed(40 + batch)
+    k, eps = 256, 1e-6
+    dense = [draw(gen, n, k, s=0.05) for n in (96, 40, 48)]
+    x, gamma, residual = draw(gen, batch, k, s=3.0), draw(gen, k, s=0.5), draw(gen, batch, 48, s=2.0)
+    tiles = tile_config(batch, on_gpu=True, dense=True, lora=False)
+    product = tiles.product if tiles.product in PRODUCTS else 0  # the interpreter's dot for a tensor-core one
+    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    options = dict(product=product, block_n=tiles.block_n, block_k=min(tiles.block_k, 128), swap=tiles.swap,
+                   num_stages=tiles.num_stages, split_k=tiles.split_k, split_counters=counters)
+    y = project(x, [Weight(w.shape[0], k, w) for w in dense[:2]], norm_weight=gamma, eps=eps, **options)
+    x64 = normed64(x, gamma, eps)
+    assert rel(y, torch.cat([x64 @ w.double().cpu().T for w in dense[:2]], dim=1)) <= 4e-3
+    y = project(x, [Weight(48, k, dense[2])], residual=residual, **options)
+    assert rel(y, residual.double().cpu() + x.double().cpu() @ dense[2].double().cpu().T) <= 4e-3
     assert not counters.any()
 
 
