@@ -78,6 +78,8 @@ PROJECTIONS = {
     "gate_up-pair-1": (False, dict(PARTS=2, SILU_MUL=True, NORM=True, BLOCK_B=1, SPLIT_K=1), None),
     "o-split-1": (False, dict(RESIDUAL=True, BLOCK_B=1, SPLIT_K=2, CHUNKS=2), None),
     "down-span-1": (False, dict(RESIDUAL=True, BLOCK_B=1, BLOCK_N=2, BLOCK_K=4096, SPLIT_K=1), None),
+    "dense-qkv-broadcast-4": (False, dict(PARTS=3, NORM=True, BLOCK_B=4, SPLIT_K=1), None),
+    "dense-down-split-no-lora-4": (False, dict(RESIDUAL=True, LORA=0, BLOCK_N=4, BLOCK_B=4, SPLIT_K=3), None),
     "nf4-gate_up-pair-8": (True, dict(PARTS=2, SILU_MUL=True, NORM=True, BLOCK_B=8, SPLIT_K=1), None),
     "nf4-down-split-8": (True, dict(RESIDUAL=True, BLOCK_B=8, SPLIT_K=3, CHUNKS=3), None),
     "swap-qkv-a-per-program-8": (False, dict(PARTS=3, NORM=True, LORA=1, PRODUCT=1, SWAP=True, BLOCK_N=32,
