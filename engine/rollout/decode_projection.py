@@ -737,16 +737,17 @@ def tile_config(batch: int, on_gpu: bool, dense: bool = False, silu_mul: bool = 
 
     Swapped tensor-core tiles (dense weights from 5 rows): 32 x 256 over 3 stages with x @ A.T in every program,
     gate's loop then up's (2.36 ms against 3.45 for the unswapped tiles and 2.78 for the module step at 8 bf16
-    rows in session 7; one loop for gate and up was slower in session 9); up to 8 rows without an adapter K split
-    over 2 programs (1.384 against 1.635 ms at 8 rows in session 13; with LoRA 2.166 against 1.954, so not
-    there). NF4 past 8 rows: tensor-core tiles.
+    rows in session 7; one loop for gate and up was slower in session 9). Without an adapter, up to 8 rows, tiles
+    64 x 256 with K split over up to 3 programs (2 for K 1024): 1.24-1.28 ms at 5-8 rows against 1.39-1.45 for
+    32 x 256 split 2 and 1.64 for no split (session 13); with LoRA a split was slower (2.166 against 1.954 at 8)
+    and 64-row tiles do not fit shared memory beside A's. NF4 past 8 rows: tensor-core tiles.
     """
     if not on_gpu:  # Triton's interpreter runs programs one by one in Python: the fewest, largest tiles
         return Tiles(PRODUCT_DOT32, 64, 1024)
     if dense and batch > 4:
-        split = 2 if not lora and batch <= 8 else 1
-        return Tiles(PRODUCT_TENSOR_CORE, 32, 256, swap=True, num_stages=3, a_per_program=True, pair=False,
-                     split_k=split)
+        if not lora and batch <= 8:
+            return Tiles(PRODUCT_TENSOR_CORE, 64, 256, swap=True, num_stages=3, split_k=3, pair=False)
+        return Tiles(PRODUCT_TENSOR_CORE, 32, 256, swap=True, num_stages=3, a_per_program=True, pair=False)
     if batch <= 8:
         narrow = (silu_mul and not dense and batch == 1) or (dense and not lora and batch > 1)
         return Tiles(PRODUCT_BROADCAST, 4 if narrow else 8, 1024, split_k=4)

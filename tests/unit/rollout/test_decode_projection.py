@@ -148,15 +148,15 @@ def test_the_tiles_a_gpu_takes_are_the_same_projection(kind: str, batch: int):
 
 @pytest.mark.parametrize("batch", [3, 8])
 def test_the_tiles_a_gpu_takes_for_dense_weights_without_an_adapter(batch: int):
-    """A merged dense copy (no adapter): 4-row broadcast tiles up to 4 rows, swapped tiles with K over 2 programs
-    up to 8 (`tile_config`, session 13's sweep), the same projection as float64 for a side-by-side launch with a
+    """A merged dense copy (no adapter): 4-row broadcast tiles up to 4 rows, 64-row swapped tiles with K over up
+    to 3 programs up to 8 (`tile_config`, session 13's sweep), the same projection as float64 for a side-by-side launch with a
     norm and for one with a residual, the counters left zeroed."""
     assert tile_config(3, True, dense=True, lora=False) == Tiles(PRODUCT_BROADCAST, 4, 1024, split_k=4)
     assert tile_config(3, True, dense=True) == Tiles(PRODUCT_BROADCAST, 8, 1024, split_k=4)
-    assert tile_config(8, True, dense=True, lora=False).split_k == 2 and tile_config(8, True, dense=True).split_k == 1
+    assert tile_config(8, True, dense=True, lora=False).split_k == 3 and tile_config(8, True, dense=True).split_k == 1
     assert tile_config(17, True, dense=True, lora=False).split_k == 1
     gen = torch.Generator().manual_seed(40 + batch)
-    k, eps = 256, 1e-6
+    k, eps = 384, 1e-6  # three 128-column tiles: split 3 takes one each
     dense = [draw(gen, n, k, s=0.05) for n in (96, 40, 48)]
     x, gamma, residual = draw(gen, batch, k, s=3.0), draw(gen, k, s=0.5), draw(gen, batch, 48, s=2.0)
     tiles = tile_config(batch, on_gpu=True, dense=True, lora=False)

@@ -90,6 +90,8 @@ PROJECTIONS = {
                                       CHUNKS=3), 3),
     "swap-down-split-a-per-program-8": (False, dict(RESIDUAL=True, LORA=1, PRODUCT=1, SWAP=True, BLOCK_N=64,
                                                     BLOCK_K=256, SPLIT_K=2), 3),
+    "swap-down-split-no-lora-8": (False, dict(RESIDUAL=True, LORA=0, PRODUCT=1, SWAP=True, BLOCK_N=64, BLOCK_K=256,
+                                              SPLIT_K=3), 3),
     "swap-gate_up-split-a-per-program-8": (False, dict(PARTS=2, SILU_MUL=True, NORM=True, LORA=1, PRODUCT=1,
                                                        SWAP=True, BLOCK_N=32, BLOCK_K=256, PAIR=False, SPLIT_K=2), 3),
 }
