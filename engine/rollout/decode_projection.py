@@ -731,8 +731,9 @@ def tile_config(batch: int, on_gpu: bool, dense: bool = False, silu_mul: bool = 
     weight load issued before the wait on the previous launch), K split over up to 4 programs where it is wider
     (o_proj and down_proj: every program's weights read before the wait), gate's and up's tiles in one loop.
     NF4 gate and up at one row take 4-row tiles (the step 1.174 ms against 1.223 with 8-row ones in session 10;
-    bf16 1.020 against 0.933), and so do dense weights without an adapter at 2-4 rows (session 13: 0.909 against
-    0.935 ms at 2 rows, 1.121 against 1.228 at 4; with LoRA 8 rows, 1.197 against 1.279 at 2). Dense weights
+    bf16 1.020 against 0.933), and so do all NF4 launches at 2-8 rows (session 13: 1.404 against 1.517 ms at 2,
+    1.865 against 1.930 at 4, 3.047 against 3.083 at 8) and dense weights without an adapter at 2-4 rows
+    (0.909 against 0.935 ms at 2 rows, 1.121 against 1.228 at 4; with LoRA 8 rows, 1.197 against 1.279 at 2). Dense weights
     at 2 and 4 rows took 1.197 and 1.600 ms so with LoRA against 2.079 and 1.877 in swapped tiles (session 13).
 
     Swapped tensor-core tiles (dense weights from 5 rows): 32 x 256 over 3 stages with x @ A.T in every program,
@@ -749,7 +750,7 @@ def tile_config(batch: int, on_gpu: bool, dense: bool = False, silu_mul: bool = 
             return Tiles(PRODUCT_TENSOR_CORE, 64, 256, swap=True, num_stages=3, split_k=3, pair=False)
         return Tiles(PRODUCT_TENSOR_CORE, 32, 256, swap=True, num_stages=3, a_per_program=True, pair=False)
     if batch <= 8:
-        narrow = (silu_mul and not dense and batch == 1) or (dense and not lora and batch > 1)
+        narrow = (not dense and (silu_mul or batch > 1)) or (dense and not lora and batch > 1)
         return Tiles(PRODUCT_BROADCAST, 4 if narrow else 8, 1024, split_k=4)
     return Tiles(PRODUCT_TENSOR_CORE, 32, 256)
 
