@@ -99,9 +99,8 @@ VARIANTS = {
     "swap_16x1024_s1_w8": {"product": 1, "swap": True, "block_n": 16, "block_k": 1024, "num_stages": 1,
                            "num_warps": 8},
     # swapped tiles with each tile's K over `split_k` programs: more programs for o_proj's and down_proj's 1024 rows
-    # at a few dense rows of x. x @ A.T in every program, its K's share times B in each partial (since session
-    # 13's second change); `_once`: x @ A.T by the launch's first programs, added by the last (what session 13's
-    # first sweep of these names measured)
+    # at a few dense rows of x. x @ A.T in every program, its K's share times B in each partial (since e4649c7);
+    # `_once`: x @ A.T by the launch's first programs, added by the last (what these names measured at 03c688f)
     "swap_16x256_s3_split2": {"product": 1, "swap": True, "block_n": 16, "block_k": 256, "num_stages": 3,
                              "split_k": 2},
     "swap_16x256_s3_split4": {"product": 1, "swap": True, "block_n": 16, "block_k": 256, "num_stages": 3,
@@ -122,8 +121,8 @@ VARIANTS = {
                              "split_k": 3},
     "swap_64x128_s4_split2": {"product": 1, "swap": True, "block_n": 64, "block_k": 128, "num_stages": 4,
                              "split_k": 2},
-    # broadcast tiles (NF4 up to 8 rows) narrower or shorter, K split, x @ A.T once (the launch's first programs);
-    # 8 x 1024 split 4 is NF4's tile up to 8 rows, for dense weights past one row
+    # broadcast tiles narrower or shorter, K split, x @ A.T once (the launch's first programs); 8 x 1024 split 4
+    # was NF4's tile at 2-8 rows before 822bd7a (4 x 1024 since), here for dense weights past one row too
     "bcast_8x1024_split4": {"product": 2, "block_n": 8, "block_k": 1024, "split_k": 4, "once": True},
     "bcast_4x1024_split4": {"product": 2, "block_n": 4, "block_k": 1024, "split_k": 4, "once": True},
     "bcast_8x512_split4": {"product": 2, "block_n": 8, "block_k": 512, "split_k": 4, "once": True},

@@ -469,7 +469,8 @@ def _split_finish(acc, acc1, ws_ptr, count_ptr, slot_index, kslice, rows, row_ok
     """Split K: this program's partial product(s) [BLOCK_B, BLOCK_N] (TWO: gate's and up's) into the workspace,
     then the program that arrives last at the tile's counter sums the SPLIT_K partials in order and adds the
     LoRA (LORA 2 or 3: x @ A.T computed once; B's tiles and the residual read before the counter) and the
-    residual; it zeroes the counter for the next launch. Returns ([BLOCK_N] whether this program holds the sums, the sums, the second sums)."""
+    residual; it zeroes the counter for the next launch. Returns ([BLOCK_N] whether this program holds the sums,
+    the sums, the second sums)."""
     ranks = tl.arange(0, BLOCK_R)
     cells = tl.arange(0, BLOCK_B)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     size: tl.constexpr = BLOCK_B * BLOCK_N
@@ -513,16 +514,14 @@ def _split_finish(acc, acc1, ws_ptr, count_ptr, slot_index, kslice, rows, row_ok
 def _part(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset, a_ptr,
           b_ptr, r, batch, stride_xa, sync_ptr, workers, rows, N, col0, K, k_lo, k_hi, eps, y_ptr, stride_yb,
           residual_ptr, stride_rb, ws_ptr, count_ptr, slot_index, kslice,
-          DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, LORA: tl.constexpr,
-          DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr, PRODUCT: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
-          WAIT_IN_LOOP: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr):
+          DENSE: tl.constexpr, NESTED: tl.constexpr, NORM: tl.constexpr, TILE_LORA: tl.constexpr,
+          FINISH_LORA: tl.constexpr, DTYPE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr, PRODUCT: tl.constexpr,
+          PDL: tl.constexpr, SWAP: tl.constexpr, WAIT_IN_LOOP: tl.constexpr, RESIDUAL: tl.constexpr,
+          SPLIT_K: tl.constexpr):
     """One weight's rows of a side-by-side launch into y[:, col0 + rows] (+ residual): the tile, and with SPLIT_K
-    its partial over K until the last program of the tile sums them (the LoRA and residual applied there)."""
-    # with a split the last program adds x @ A.T's product with B, unless every program computes its K's share of
-    # x @ A.T (LORA 1): then each applies B to that share, and the partials carry it (the product is linear)
-    TILE_LORA: tl.constexpr = LORA if SPLIT_K == 1 or LORA == 1 else 0
-    FINISH_LORA: tl.constexpr = 0 if LORA == 1 else LORA
+    its partial over K until the last program of the tile sums them (the residual applied there). TILE_LORA,
+    FINISH_LORA: the LoRA in the tile and in the split's last program (`_project`)."""
     TILE_RESIDUAL: tl.constexpr = RESIDUAL and SPLIT_K == 1
     acc, _ = _tile(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax2_ptr, code_ptr, code2_ptr, offset,
                    a_ptr, b_ptr, w_ptr, absmax_ptr, absmax2_ptr, offset, a_ptr, b_ptr, r, batch, stride_xa, sync_ptr,
@@ -591,10 +590,12 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
         k_lo = kslice * k_split
         k_hi = tl.minimum(K, k_lo + k_split)
         slot_index = tl.program_id(1) * ((tl.num_programs(0) - workers) // SPLIT_K) + block
+        # with a split the last program adds x @ A.T's product with B, unless every program computes its K's share
+        # of x @ A.T (LORA 1): then each applies B to that share, and the partials carry it (the product is linear)
+        TILE_LORA: tl.constexpr = LORA if SPLIT_K == 1 or LORA == 1 else 0
+        FINISH_LORA: tl.constexpr = 0 if LORA == 1 else LORA
         if SILU_MUL:  # gate (part 0) and up (part 1), the same rows: SiLU(gate) * up, each rounded as the modules round
             rows = block * BLOCK_N + local
-            TILE_LORA: tl.constexpr = LORA if SPLIT_K == 1 or LORA == 1 else 0  # as `_part` splits it
-            FINISH_LORA: tl.constexpr = 0 if LORA == 1 else LORA
             if PAIR:
                 gate, up = _tile(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr,
                                  offset0, a0, b0, w1, absmax1, absmax2_1, offset1, a1, b1, r, batch, stride_xa,
@@ -629,8 +630,8 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
                 _part(x_base, batch_ok, inv_rms, norm_ptr, w0, absmax0, absmax2_0, code_ptr, code2_ptr, offset0, a0,
                       b0, r, batch, stride_xa, sync_ptr, workers, block * BLOCK_N + local, n0, 0, K, k_lo, k_hi, eps,
                       y_ptr, stride_yb, residual_ptr, stride_rb, ws_ptr, count_ptr, slot_index, kslice, DENSE,
-                      NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS, PRODUCT, PDL, SWAP,
-                      WAIT_IN_LOOP, RESIDUAL, SPLIT_K)
+                      NESTED, NORM, TILE_LORA, FINISH_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS,
+                      PRODUCT, PDL, SWAP, WAIT_IN_LOOP, RESIDUAL, SPLIT_K)
             else:
                 if PARTS > 1:
                     if block < blocks0 + blocks1:
@@ -638,16 +639,16 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
                               offset1, a1, b1, r, batch, stride_xa, sync_ptr, workers,
                               (block - blocks0) * BLOCK_N + local, n1, n0, K, k_lo, k_hi, eps, y_ptr, stride_yb,
                               residual_ptr, stride_rb, ws_ptr, count_ptr, slot_index, kslice, DENSE, NESTED, NORM,
-                              LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS, PRODUCT, PDL, SWAP, WAIT_IN_LOOP,
-                              RESIDUAL, SPLIT_K)
+                              TILE_LORA, FINISH_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS, PRODUCT,
+                              PDL, SWAP, WAIT_IN_LOOP, RESIDUAL, SPLIT_K)
                     else:
                         if PARTS > 2:
                             _part(x_base, batch_ok, inv_rms, norm_ptr, w2, absmax2, absmax2_2, code_ptr, code2_ptr,
                                   offset2, a2, b2, r, batch, stride_xa, sync_ptr, workers,
                                   (block - blocks0 - blocks1) * BLOCK_N + local, n2, n0 + n1, K, k_lo, k_hi, eps,
                                   y_ptr, stride_yb, residual_ptr, stride_rb, ws_ptr, count_ptr, slot_index, kslice,
-                                  DENSE, NESTED, NORM, LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K, BLOCK_R, CHUNKS, PRODUCT,
-                                  PDL, SWAP, WAIT_IN_LOOP, RESIDUAL, SPLIT_K)
+                                  DENSE, NESTED, NORM, TILE_LORA, FINISH_LORA, DTYPE, BLOCK_B, BLOCK_N, BLOCK_K,
+                                  BLOCK_R, CHUNKS, PRODUCT, PDL, SWAP, WAIT_IN_LOOP, RESIDUAL, SPLIT_K)
         if LORA == 3:  # every program before the last has passed its wait: the last one zeroes the counters
             finished = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
             if finished == tl.num_programs(0) - workers - 1:
@@ -733,8 +734,9 @@ def tile_config(batch: int, on_gpu: bool, dense: bool = False, silu_mul: bool = 
     NF4 gate and up at one row take 4-row tiles (the step 1.174 ms against 1.223 with 8-row ones in session 10;
     bf16 1.020 against 0.933), and so do all NF4 launches at 2-8 rows (session 13: 1.404 against 1.517 ms at 2,
     1.865 against 1.930 at 4, 3.047 against 3.083 at 8) and dense weights without an adapter at 2-4 rows
-    (0.909 against 0.935 ms at 2 rows, 1.121 against 1.228 at 4; with LoRA 8 rows, 1.197 against 1.279 at 2). Dense weights
-    at 2 and 4 rows took 1.197 and 1.600 ms so with LoRA against 2.079 and 1.877 in swapped tiles (session 13).
+    (0.909 against 0.935 ms at 2 rows, 1.121 against 1.228 at 4; with LoRA 8 rows, 1.197 against 1.279 at 2).
+    Dense weights at 2 and 4 rows took 1.197 and 1.600 ms so with LoRA against 2.079 and 1.877 in swapped tiles
+    (session 13).
 
     Swapped tensor-core tiles (dense weights from 5 rows): 32 x 256 over 3 stages with x @ A.T in every program,
     gate's loop then up's (2.36 ms against 3.45 for the unswapped tiles and 2.78 for the module step at 8 bf16

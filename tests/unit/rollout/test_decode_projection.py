@@ -149,8 +149,8 @@ def test_the_tiles_a_gpu_takes_are_the_same_projection(kind: str, batch: int):
 @pytest.mark.parametrize("batch", [3, 8])
 def test_the_tiles_a_gpu_takes_for_dense_weights_without_an_adapter(batch: int):
     """A merged dense copy (no adapter): 4-row broadcast tiles up to 4 rows, 64-row swapped tiles with K over up
-    to 3 programs up to 8 (`tile_config`, session 13's sweep), the same projection as float64 for a side-by-side launch with a
-    norm and for one with a residual, the counters left zeroed."""
+    to 3 programs up to 8 (`tile_config`, session 13's sweep), the same projection as float64 for a side-by-side
+    launch with a norm and for one with a residual, the counters left zeroed."""
     assert tile_config(3, True, dense=True, lora=False) == Tiles(PRODUCT_BROADCAST, 4, 1024, split_k=4)
     assert tile_config(3, True, dense=True) == Tiles(PRODUCT_BROADCAST, 8, 1024, split_k=4)
     assert tile_config(8, True, dense=True, lora=False).split_k == 3 and tile_config(8, True, dense=True).split_k == 1
@@ -249,8 +249,9 @@ def test_swapped_tiles_silu_mul_and_residual(kind: str, product: int, stacked: b
 def test_k_split_across_programs_is_the_same_projection(kind: str, product: int, swap: bool, batch: int):
     """split_k: each tile's K over several programs, the last of them summing the partials and adding LoRA and
     residual: against float64 for three weights with a norm, SiLU·mul and a residual (x @ A.T in the launch's own
-    programs, or each program's share of it times B in its partial), close to the unsplit launch, the counters left zeroed for the next launch (twice over the same
-    counters), and each tile's counter counts two programs at split 2 (so the split did happen)."""
+    programs, or each program's share of it times B in its partial), close to the unsplit launch, the counters
+    left zeroed for the next launch (twice over the same counters), and each tile's counter counts two programs
+    at split 2 (so the split did happen)."""
     gen = torch.Generator().manual_seed(5 + batch)
     k, eps = 192, 1e-6  # three 64-column tiles: split 2 takes two and one, split 4 one each
     qkv = [make(kind, n, k, 8, gen) for n in (96, 40, 40)]
