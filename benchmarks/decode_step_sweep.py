@@ -52,7 +52,7 @@ VARIANTS = {
     # `counters`); measured slower than the separate combine launch the step ships (session 12)
     "folded_combine": {"folded_combine": True},
     "separate_both": {"lora_sync": None, "separate_prologue": True},  # both launches back: session 7's step
-    "attention_tile_32": {"attention_block_l": 32},
+    "attention_tile_32": {"attention_block_l": 32},  # the split-key programs read 32 keys a tile at any slot count
     # the split-key programs with fewer warps (fewer registers a program: room beside the qkv launch's programs
     # under PDL), or splits of 64 / 16 keys
     "attention_warps_2": {"attention_num_warps": 2},
@@ -70,12 +70,12 @@ VARIANTS = {
     "gate_up_n4": {"only_gate_up": {"block_n": 4}},
     "qkv_split_2": {"only_qkv": {"block_k": 512, "split_k": 2}},
     "swap_a_once": {"a_per_program": False},  # swapped tiles reading x @ A.T from the launch's first programs
-    "span_k": {"span_k": True},
+    "span_k": {"span_k": True},  # broadcast tiles as wide as K: o 4 x 2048, down 2 x 4096 (3072 of it used)
     "no_pair": {"pair": False},  # gate's tiles, then up's, as before session 9
     "split_2": {"split_k": 2},  # each tile's K over up to 2 programs (project(split_k=...))
     "split_4": {"split_k": 4},
     "split_8": {"split_k": 8},
-    "split_4_no_pair": {"split_k": 4, "pair": False},  # broadcast tiles as wide as K: o 4 x 2048, down 2 x 4096 (3072 of it used)  # the split-key programs read 32 keys a tile at any slot count
+    "split_4_no_pair": {"split_k": 4, "pair": False},
     "broadcast_8x1024_once": {"product": 2, "block_n": 8, "block_k": 1024, "once": True},
     "tc_16x256_once": {"product": 1, "block_n": 16, "block_k": 256, "once": True},
     "module": {"kernels": False},
