@@ -128,6 +128,9 @@ VARIANTS = {
     "bcast_8x512_split4": {"product": 2, "block_n": 8, "block_k": 512, "split_k": 4, "once": True},
     "bcast_4x512_split8": {"product": 2, "block_n": 4, "block_k": 512, "split_k": 8, "once": True},
     "bcast_2x1024_split4": {"product": 2, "block_n": 2, "block_k": 1024, "split_k": 4, "once": True},
+    # tile_config's tiles, its broadcast products over several rows summed over K for every row at once
+    # (PRODUCT_BROADCAST_AT_ONCE): fewer cross-warp reductions than one row at a time (session 14)
+    "at_once": {"at_once": True},
 }
 DEFAULT_VARIANTS = ["default", "module", "separate_down", "broadcast_8x1024_once", "tc_16x256_once",
                     "swap_32x256_s3", "swap_16x256_s3", "swap_64x256_s3", "swap_16x512_s1"]
@@ -142,11 +145,25 @@ def patched_project(original, options: dict):
         options.setdefault("swap", False)
 
     only = {kind: options.pop(f"only_{kind}", {}) for kind in ("qkv", "gate_up")}
+    at_once = options.pop("at_once", False)
 
     def project(x, weights, **kwargs):
         kind = "gate_up" if kwargs.get("silu_mul") else "qkv" if len(weights) == 3 else None
-        return original(x, weights, **{**kwargs, **options, **only.get(kind, {})})
+        tiles = at_once_tiles(x, weights, kwargs.get("silu_mul", False)) if at_once else {}
+        return original(x, weights, **{**kwargs, **tiles, **options, **only.get(kind, {})})
     return project
+
+
+def at_once_tiles(x, weights, silu_mul: bool) -> dict:
+    """`tile_config`'s tiles for the launch, spelled out, with broadcast products over more than one row of x
+    taken at once (`PRODUCT_BROADCAST_AT_ONCE`); nothing for other launches."""
+    from miniverl.engine.rollout.decode_projection import (PRODUCT_BROADCAST, PRODUCT_BROADCAST_AT_ONCE,
+                                                           tile_config)
+    tiles = tile_config(x.shape[0], x.is_cuda, weights[0].dense, silu_mul, weights[0].lora_a is not None)
+    if tiles.product != PRODUCT_BROADCAST or x.shape[0] == 1:
+        return {}
+    return {"product": PRODUCT_BROADCAST_AT_ONCE, "block_n": tiles.block_n, "block_k": tiles.block_k,
+            "split_k": tiles.split_k, "pair": tiles.pair, "a_per_program": tiles.a_per_program}
 
 
 def two_launch_attention(qkv, q_weight, k_weight, eps, cos, sin, positions, k_cache, v_cache):

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("triton", reason="needs Triton (the dev extra installs it)")
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 from miniverl.engine.rollout.decode_projection import (  # noqa: E402
-    PRODUCT_BROADCAST, Tiles, Weight, project, stack_lora_a, tile_config)
+    PRODUCT_BROADCAST, PRODUCT_BROADCAST_AT_ONCE, Tiles, Weight, project, stack_lora_a, tile_config)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # How the tiles multiply (decode_projection._product): float32 dots, broadcast sums, and on a GPU tensor-core
@@ -225,6 +225,19 @@ def test_gate_up_silu_mul_and_residual(kind: str, product: int, stacked: bool, s
     want = residual.double().cpu() + linear64(y.double().cpu(), d64, da, db)
     assert rel(z, want) <= 4e-3
     assert rel(z, want - residual.double().cpu()) > 0.1
+
+
+@pytest.mark.parametrize("kind", ["nf4", "dense"])
+@pytest.mark.parametrize("batch", [1, 5, 8])
+def test_broadcast_sums_over_every_row_at_once_are_the_same_projection(kind: str, batch: int):
+    """PRODUCT_BROADCAST_AT_ONCE: the broadcast products of all of x's rows reduced over K together, against
+    float64 for three weights with a norm, SiLU·mul with a residual (A per program and x @ A.T once), and K split
+    over programs."""
+    product = PRODUCT_BROADCAST_AT_ONCE
+    test_three_weights_side_by_side_with_norm(kind, product, batch)
+    for stacked in (False, True):
+        test_gate_up_silu_mul_and_residual(kind, product, stacked)
+    test_k_split_across_programs_is_the_same_projection(kind, product, False, batch)
 
 
 @pytest.mark.parametrize("kind", ["nf4", "nf4-single", "dense"])

@@ -83,6 +83,13 @@ PROJECTIONS = {
     "nf4-gate_up-pair-8": (True, dict(PARTS=2, SILU_MUL=True, NORM=True, BLOCK_B=8, BLOCK_N=4, SPLIT_K=1), None),
     "nf4-qkv-narrow-2": (True, dict(PARTS=3, NORM=True, BLOCK_B=2, BLOCK_N=4, SPLIT_K=1), None),
     "nf4-down-split-8": (True, dict(RESIDUAL=True, BLOCK_B=8, SPLIT_K=3, CHUNKS=3), None),
+    # the broadcast products of every row reduced at once (PRODUCT 3), a variant the sweep times
+    "nf4-gate_up-pair-at-once-8": (True, dict(PARTS=2, SILU_MUL=True, NORM=True, BLOCK_B=8, BLOCK_N=4, SPLIT_K=1,
+                                              PRODUCT=3), None),
+    "nf4-qkv-at-once-8": (True, dict(PARTS=3, NORM=True, BLOCK_B=8, BLOCK_N=4, SPLIT_K=1, PRODUCT=3), None),
+    "nf4-down-split-at-once-8": (True, dict(RESIDUAL=True, BLOCK_B=8, BLOCK_N=4, SPLIT_K=4, CHUNKS=3, PRODUCT=3),
+                                 None),
+    "dense-qkv-at-once-4": (False, dict(PARTS=3, NORM=True, BLOCK_B=4, SPLIT_K=1, PRODUCT=3), None),
     "swap-qkv-a-per-program-8": (False, dict(PARTS=3, NORM=True, LORA=1, PRODUCT=1, SWAP=True, BLOCK_N=32,
                                              BLOCK_K=256, SPLIT_K=1), 3),
     "swap-gate_up-two-loops-8": (False, dict(PARTS=2, SILU_MUL=True, NORM=True, LORA=1, PRODUCT=1, SWAP=True,
