@@ -82,13 +82,13 @@ PROJECTIONS = {
     "dense-down-split-no-lora-4": (False, dict(RESIDUAL=True, LORA=0, BLOCK_N=4, BLOCK_B=4, SPLIT_K=3), None),
     "nf4-gate_up-pair-8": (True, dict(PARTS=2, SILU_MUL=True, NORM=True, BLOCK_B=8, BLOCK_N=4, SPLIT_K=1), None),
     "nf4-qkv-narrow-2": (True, dict(PARTS=3, NORM=True, BLOCK_B=2, BLOCK_N=4, SPLIT_K=1), None),
+    "nf4-qkv-narrow-8": (True, dict(PARTS=3, NORM=True, BLOCK_B=8, BLOCK_N=4, SPLIT_K=1), None),
     "nf4-down-split-8": (True, dict(RESIDUAL=True, BLOCK_B=8, SPLIT_K=3, CHUNKS=3), None),
     # the broadcast products of every row reduced at once (PRODUCT 3), a variant the sweep times
     "nf4-gate_up-pair-at-once-8": (True, dict(PARTS=2, SILU_MUL=True, NORM=True, BLOCK_B=8, BLOCK_N=4, SPLIT_K=1,
                                               PRODUCT=3), None),
     "nf4-qkv-at-once-8": (True, dict(PARTS=3, NORM=True, BLOCK_B=8, BLOCK_N=4, SPLIT_K=1, PRODUCT=3), None),
-    "nf4-down-split-at-once-8": (True, dict(RESIDUAL=True, BLOCK_B=8, BLOCK_N=4, SPLIT_K=4, CHUNKS=3, PRODUCT=3),
-                                 None),
+    "nf4-down-split-at-once-8": (True, dict(RESIDUAL=True, BLOCK_B=8, SPLIT_K=3, CHUNKS=3, PRODUCT=3), None),
     "dense-qkv-at-once-4": (False, dict(PARTS=3, NORM=True, BLOCK_B=4, SPLIT_K=1, PRODUCT=3), None),
     "swap-qkv-a-per-program-8": (False, dict(PARTS=3, NORM=True, LORA=1, PRODUCT=1, SWAP=True, BLOCK_N=32,
                                              BLOCK_K=256, SPLIT_K=1), 3),
@@ -106,6 +106,11 @@ PROJECTIONS = {
 
 
 def projection(name: str):
+    assert projection_cubin(name)
+
+
+def projection_cubin(name: str) -> bytes:
+    """The cubin of `_project` at the launch shape PROJECTIONS[name] (benchmarks/kernel_sass_stats.py reads it)."""
     nf4, constants, stages = PROJECTIONS[name]
     lora = constants.get("LORA", 3)
     types = {"x_ptr": "*bf16", "norm_ptr": "*bf16", "eps": "fp32", "code_ptr": "*fp32", "code2_ptr": "*fp32",
@@ -122,7 +127,7 @@ def projection(name: str):
     if constants["SWAP"]:
         constants["BLOCK_B"] = 16
     options = {"launch_pdl": True} | ({} if stages is None else {"num_stages": stages})
-    assert compile_for_hopper(decode_projection._project, types, constants, **options)
+    return compile_for_hopper(decode_projection._project, types, constants, **options)
 
 
 CASES = {
