@@ -94,6 +94,8 @@ PROJECTIONS = {
                                              BLOCK_K=256, SPLIT_K=1), 3),
     "swap-gate_up-two-loops-8": (False, dict(PARTS=2, SILU_MUL=True, NORM=True, LORA=1, PRODUCT=1, SWAP=True,
                                              BLOCK_N=32, BLOCK_K=256, PAIR=False, SPLIT_K=1), 3),
+    "swap-down-a-per-program-8": (False, dict(RESIDUAL=True, LORA=1, PRODUCT=1, SWAP=True, BLOCK_N=32, BLOCK_K=256,
+                                              SPLIT_K=1), 3),
     "swap-down-split-8": (False, dict(RESIDUAL=True, PRODUCT=1, SWAP=True, BLOCK_N=32, BLOCK_K=256, SPLIT_K=4,
                                       CHUNKS=3), 3),
     "swap-down-split-a-per-program-8": (False, dict(RESIDUAL=True, LORA=1, PRODUCT=1, SWAP=True, BLOCK_N=64,
