@@ -16,6 +16,7 @@ Each row also records the greedy tokens' common prefix with the first variant
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import platform
@@ -155,15 +156,15 @@ def patched_project(original, options: dict):
 
 
 def at_once_tiles(x, weights, silu_mul: bool) -> dict:
-    """`tile_config`'s tiles for the launch, spelled out, with broadcast products over more than one row of x
-    taken at once (`PRODUCT_BROADCAST_AT_ONCE`); nothing for other launches."""
+    """`tile_config`'s tiles for the launch as `project` arguments (a launch naming its product names every
+    field), with broadcast products over more than one row of x taken at once (`PRODUCT_BROADCAST_AT_ONCE`);
+    nothing for other launches."""
     from miniverl.engine.rollout.decode_projection import (PRODUCT_BROADCAST, PRODUCT_BROADCAST_AT_ONCE,
                                                            tile_config)
     tiles = tile_config(x.shape[0], x.is_cuda, weights[0].dense, silu_mul, weights[0].lora_a is not None)
     if tiles.product != PRODUCT_BROADCAST or x.shape[0] == 1:
         return {}
-    return {"product": PRODUCT_BROADCAST_AT_ONCE, "block_n": tiles.block_n, "block_k": tiles.block_k,
-            "split_k": tiles.split_k, "pair": tiles.pair, "a_per_program": tiles.a_per_program}
+    return dataclasses.asdict(dataclasses.replace(tiles, product=PRODUCT_BROADCAST_AT_ONCE))
 
 
 def two_launch_attention(qkv, q_weight, k_weight, eps, cos, sin, positions, k_cache, v_cache):

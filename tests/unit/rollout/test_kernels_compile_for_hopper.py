@@ -42,11 +42,16 @@ pytestmark = pytest.mark.skipif(not _ptxas_available(), reason="Triton's NVIDIA 
 
 def compile_for_hopper(kernel, types: dict[str, str], constants: dict, **options) -> bytes:
     """The cubin of `kernel` with `constants` as its constexprs and `types` for the other arguments (i32 else)."""
+    return compiled_for_hopper(kernel, types, constants, **options).asm["cubin"]
+
+
+def compiled_for_hopper(kernel, types: dict[str, str], constants: dict, **options):
+    """`compile_for_hopper`'s compiled kernel itself (its metadata says the shared memory a program takes)."""
     names = kernel.arg_names
     signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in names}
     source = ASTSource(fn=kernel, signature=signature,
                        constexprs={(names.index(name),): value for name, value in constants.items()})
-    return triton.compile(source, target=HOPPER, options=options).asm["cubin"]
+    return triton.compile(source, target=HOPPER, options=options)
 
 
 def split_key_attention(prologue: bool, block_l: int, dot: bool, combine: bool = False):
@@ -108,11 +113,12 @@ PROJECTIONS = {
 
 
 def projection(name: str):
-    assert projection_cubin(name)
+    assert projection_kernel(name).asm["cubin"]
 
 
-def projection_cubin(name: str) -> bytes:
-    """The cubin of `_project` at the launch shape PROJECTIONS[name] (benchmarks/kernel_sass_stats.py reads it)."""
+def projection_kernel(name: str, **overrides):
+    """`_project` compiled at the launch shape PROJECTIONS[name], `overrides` (num_warps, num_stages) on its
+    options (benchmarks/kernel_sass_stats.py reads it)."""
     nf4, constants, stages = PROJECTIONS[name]
     lora = constants.get("LORA", 3)
     types = {"x_ptr": "*bf16", "norm_ptr": "*bf16", "eps": "fp32", "code_ptr": "*fp32", "code2_ptr": "*fp32",
@@ -128,8 +134,8 @@ def projection_cubin(name: str) -> bytes:
     constants = {**shared, **constants}
     if constants["SWAP"]:
         constants["BLOCK_B"] = 16
-    options = {"launch_pdl": True} | ({} if stages is None else {"num_stages": stages})
-    return compile_for_hopper(decode_projection._project, types, constants, **options)
+    options = {"launch_pdl": True} | ({} if stages is None else {"num_stages": stages}) | overrides
+    return compiled_for_hopper(decode_projection._project, types, constants, **options)
 
 
 CASES = {
