@@ -132,20 +132,6 @@ VARIANTS = {
     # tile_config's tiles, its broadcast products over several rows summed over K for every row at once
     # (PRODUCT_BROADCAST_AT_ONCE): fewer cross-warp reductions than one row at a time (session 14)
     "at_once": {"at_once": True},
-    # weights asked into L2 ahead of their launch (fused_step.PREFETCH, l2_prefetch; session 15): "ahead": the
-    # split-key launch asks for o's and gate/up's, o for down's, down for the next layer's qkv; "attention_all":
-    # the split-key launch for all four groups of its layer, down for the next qkv; "next": each launch for the
-    # next projection launch's; "self": each projection launch for its own (its programs' waits come first)
-    "pf_none": {"prefetch": {}},
-    "pf_ahead": {"prefetch": {"attention": ((0, "o"), (0, "gate_up")), "o": ((0, "down"),), "down": ((1, "qkv"),)}},
-    "pf_attention_all": {"prefetch": {"attention": ((0, "o"), (0, "gate_up"), (0, "down")),
-                                      "down": ((1, "qkv"),)}},
-    "pf_next": {"prefetch": {"qkv": ((0, "o"),), "attention": ((0, "gate_up"),), "o": ((0, "down"),),
-                             "gate_up": ((1, "qkv"),)}},
-    "pf_self": {"prefetch": {"qkv": ((0, "qkv"),), "o": ((0, "o"),), "gate_up": ((0, "gate_up"),),
-                             "down": ((0, "down"),)}},
-    "pf_ahead_self": {"prefetch": {"qkv": ((0, "qkv"),), "attention": ((0, "o"), (0, "gate_up")),
-                                   "o": ((0, "down"),), "gate_up": ((0, "gate_up"),), "down": ((1, "qkv"),)}},
 }
 DEFAULT_VARIANTS = ["default", "module", "separate_down", "broadcast_8x1024_once", "tc_16x256_once",
                     "swap_32x256_s3", "swap_16x256_s3", "swap_64x256_s3", "swap_16x512_s1"]
@@ -181,9 +167,9 @@ def at_once_tiles(x, weights, silu_mul: bool) -> dict:
     return dataclasses.asdict(dataclasses.replace(tiles, product=PRODUCT_BROADCAST_AT_ONCE))
 
 
-def two_launch_attention(qkv, q_weight, k_weight, eps, cos, sin, positions, k_cache, v_cache, prefetch=None):
+def two_launch_attention(qkv, q_weight, k_weight, eps, cos, sin, positions, k_cache, v_cache):
     """`attend_new_token` as the step took it before session 8: its prologue and its combine as launches of their
-    own (no prefetch)."""
+    own."""
     q = qk_norm_rope_append(qkv, q_weight, k_weight, eps, cos, sin, positions, k_cache, v_cache)
     return decode_attention(q, k_cache, v_cache, positions)
 
@@ -199,12 +185,10 @@ def bench(model, label: str, slots: int, variants: list[str], args, bandwidth: f
     prompts = torch.randint(0, 151936, (slots, args.prompt_tokens), generator=gen).tolist()
     bytes_step = step_bytes(model, slots, args.prompt_tokens + args.new_tokens / 2)
     original, rows, reference = fused_step.project, [], None
-    default_prefetch = fused_step.PREFETCH
     for name in variants:
         row = {"weights": label, "slots": slots, "variant": name, "options": VARIANTS[name]}
         options = dict(VARIANTS[name])
         kernels = options.pop("kernels", True)
-        fused_step.PREFETCH = options.pop("prefetch", default_prefetch)
         if options.pop("separate_prologue", False):
             fused_step.attend_new_token = two_launch_attention
         if options.pop("folded_combine", False):
@@ -233,7 +217,6 @@ def bench(model, label: str, slots: int, variants: list[str], args, bandwidth: f
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         finally:
             fused_step.project, fused_step.attend_new_token = original, attend_new_token
-            fused_step.PREFETCH = default_prefetch
             torch.cuda.empty_cache()
         print(json.dumps(row), flush=True)
         rows.append(row)

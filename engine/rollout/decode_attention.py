@@ -36,7 +36,6 @@ import triton.language as tl
 
 from miniverl.engine.rollout.decode_projection import (dtype_code, gdc_launch_dependents, gdc_wait,
                                                        launch_options, round_to_dtype)
-from miniverl.engine.rollout.l2_prefetch import prefetch_args, prefetch_ranges
 
 COUNTERS = 4096  # `decode_attention(counters=...)` entries a call site allocates: slots x kv heads
 
@@ -80,11 +79,9 @@ def _attend_tile(q, k, v, key_ok, running_max, running_sum, acc, scale, DOT: tl.
 def _split_attention(q_ptr, k_ptr, v_ptr, positions_ptr, max_ptr, sum_ptr, acc_ptr, scale,
                      stride_qs, stride_qh, stride_ks, stride_kh, stride_kl, n_splits, split_len,
                      q_weight_ptr, k_weight_ptr, eps, cos_ptr, sin_ptr, count_ptr, out_ptr, stride_os, stride_oh,
-                     pf0, pf_n0, pf1, pf_n1, pf2, pf_n2, pf3, pf_n3,
                      GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr,
                      DOT: tl.constexpr, PROLOGUE: tl.constexpr, N_Q: tl.constexpr, DTYPE: tl.constexpr,
-                     COMBINE: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr, RANGES: tl.constexpr,
-                     PF_CHUNKS: tl.constexpr):
+                     COMBINE: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """Pass 1. PROLOGUE: q_ptr is the qkv projection's output [S, (H + 2 Hkv) D], not q: every program takes its
     query heads through q_norm and the rotary embedding (`_normed_rotated`) and the new key likewise, and the one
     whose split holds the slot's position appends the new key and value to the caches.
@@ -96,19 +93,12 @@ def _split_attention(q_ptr, k_ptr, v_ptr, positions_ptr, max_ptr, sum_ptr, acc_p
     A split past the slot's last key has nothing to attend to: its program ends at once (the combine reads only
     the splits that hold keys). COMBINE: the program that arrives last at its (slot, kv head)'s counter combines
     the splits of its query heads into out_ptr (`_combined`, as `_combine` does) and zeroes the counter for the
-    next launch: one launch instead of two.
-
-    RANGES: tensors (the next projections' weights) whose bytes every program, those with no keys too, asks L2
-    for first (`l2_prefetch`): the launch reads little, so the memory is free for them."""
+    next launch: one launch instead of two."""
     if PDL:
         gdc_launch_dependents()
     slot = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if RANGES > 0:
-        prefetch_ranges(pf0, pf_n0, pf1, pf_n1, pf2, pf_n2, pf3, pf_n3,
-                        (slot * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split,
-                        tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2), RANGES, PF_CHUNKS)
     heads = kv_head * GROUP + tl.arange(0, BLOCK_G)
     head_ok = tl.arange(0, BLOCK_G) < GROUP
     dims = tl.arange(0, HEAD_DIM)
@@ -289,19 +279,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def attend_new_token(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
                      cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, split_len: int | None = None, block_l: int | None = None,
-                     num_warps: int = 4, counters: torch.Tensor | None = None,
-                     prefetch: list[torch.Tensor] | None = None) -> torch.Tensor:
+                     num_warps: int = 4, counters: torch.Tensor | None = None) -> torch.Tensor:
     """`qk_norm_rope_append` and `decode_attention` in two launches instead of three (one with `counters`, as
     `decode_attention` takes them): the split-key programs take q and the new key from the qkv projection's
     output themselves, and the one whose split holds the slot's position appends the key and value. The same
     arguments as `qk_norm_rope_append`, the same result as the two (the same bits: the same roundings in one
-    helper) and the same caches after it; returns [S, H, D]. `prefetch`: up to 4 contiguous tensors (the next
-    projections' weights) the split-key programs ask L2 for first (`l2_prefetch`; Hopper on, else ignored)."""
+    helper) and the same caches after it; returns [S, H, D]."""
     heads = _query_heads(qkv, cos, sin, k_cache, v_cache)
     head_dim = k_cache.shape[3]
     return _attention(qkv.view(qkv.shape[0], -1, head_dim), k_cache, v_cache, positions, split_len, block_l,
                       prologue=(q_weight, k_weight, eps, cos, sin), heads=heads, num_warps=num_warps,
-                      counters=counters, prefetch=prefetch)
+                      counters=counters)
 
 
 def split_keys(slots: int) -> tuple[int, int]:
@@ -333,8 +321,7 @@ def _query_heads(qkv, cos, sin, k_cache, v_cache) -> int:
 
 def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                split_len: int | None, block_l: int | None, prologue: tuple | None = None,
-               heads: int | None = None, num_warps: int = 4, counters: torch.Tensor | None = None,
-               prefetch: list[torch.Tensor] | None = None) -> torch.Tensor:
+               heads: int | None = None, num_warps: int = 4, counters: torch.Tensor | None = None) -> torch.Tensor:
     """Both passes; with `prologue` (q_weight, k_weight, eps, cos, sin) q is the qkv output as [S, heads + 2 Hkv,
     D] and the first `heads` of it are the query heads; `num_warps`: the split-key programs'; with `counters`
     the second pass runs in the split-key launch (`_split_attention(COMBINE)`)."""
@@ -367,14 +354,13 @@ def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, po
     q_weight, k_weight, eps, cos, sin = (q, q, 0.0, q, q) if prologue is None else prologue
     out = torch.empty((slots, heads, head_dim), dtype=q.dtype, device=q.device)
     block_s = triton.next_power_of_2(n_splits)
-    pf_args, pf_options = prefetch_args(prefetch, q, num_warps)
     _split_attention[(slots, kv_heads, n_splits)](
         q, k_cache, v_cache, positions, partial, sums, acc, 1.0 / math.sqrt(head_dim),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), n_splits, split_len,
         q_weight, k_weight, eps, cos, sin, positions if counters is None else counters, out, out.stride(0),
-        out.stride(1), *pf_args, GROUP=group, BLOCK_G=max(16, block_g) if dot else block_g, HEAD_DIM=head_dim,
+        out.stride(1), GROUP=group, BLOCK_G=max(16, block_g) if dot else block_g, HEAD_DIM=head_dim,
         BLOCK_L=block_l, DOT=dot, PROLOGUE=prologue is not None, N_Q=heads, DTYPE=dtype_code(q.dtype),
-        COMBINE=counters is not None, BLOCK_S=block_s, num_warps=num_warps, **pf_options, **options)
+        COMBINE=counters is not None, BLOCK_S=block_s, num_warps=num_warps, **options)
     if counters is None:
         _combine[(slots, heads)](partial, sums, acc, out, positions, split_len, n_splits, out.stride(0),
                                  out.stride(1), heads, HEAD_DIM=head_dim, BLOCK_S=block_s, **options)

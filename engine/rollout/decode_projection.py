@@ -44,8 +44,6 @@ import torch
 import triton
 import triton.language as tl
 
-from miniverl.engine.rollout.l2_prefetch import prefetch_args, prefetch_ranges
-
 try:  # programmatic dependent launch (Hopper and later; Triton >= 3.5): see `launch_options`
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - an older Triton: the kernels launch without it
@@ -550,28 +548,22 @@ def _project(x_ptr, stride_xb, B, K, norm_ptr, eps, code_ptr, code2_ptr, r,
              w1, absmax1, absmax2_1, offset1, a1, b1, n1,
              w2, absmax2, absmax2_2, offset2, a2, b2, n2,
              y_ptr, stride_yb, residual_ptr, stride_rb, stride_xa, a_stacked_ptr, xa_ptr, sync_ptr, workers,
-             ws_ptr, count_ptr, k_split, pf0, pf_n0, pf1, pf_n1, pf2, pf_n2, pf3, pf_n3,
+             ws_ptr, count_ptr, k_split,
              PARTS: tl.constexpr, SILU_MUL: tl.constexpr, DENSE: tl.constexpr, NESTED: tl.constexpr,
              NORM: tl.constexpr, LORA: tl.constexpr, RESIDUAL: tl.constexpr, DTYPE: tl.constexpr,
              BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
              PRODUCT: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr, WAIT_IN_LOOP: tl.constexpr,
              DOWN_B: tl.constexpr, DOWN_R: tl.constexpr, DOWN_K: tl.constexpr, PAIR: tl.constexpr,
-             SPLIT_K: tl.constexpr, CHUNKS: tl.constexpr, RANGES: tl.constexpr, PF_CHUNKS: tl.constexpr):
+             SPLIT_K: tl.constexpr, CHUNKS: tl.constexpr):
     """One launch's programs over 1-3 weights (`project`). With LORA 3 the first `workers` programs compute
     norm(x) @ A.T for the whole launch (`_lora_down`'s work, as `_lora_down` splits it) and publish it through
     sync_ptr [2] (published count, finished programs); the others read it after their weight tiles. The last
     program to finish zeroes sync_ptr for the next launch (a CUDA graph replays the same counters). SPLIT_K:
     each tile's K split over that many programs (`_split_finish`, counters `count_ptr`, partials `ws_ptr`);
     PAIR: gate's and up's tiles in one loop rather than one after the other. CHUNKS: x @ A.T's K in that many
-    chunks, one worker each (its partial), summed by the programs that read it (`_published_xa`). RANGES: tensors
-    whose bytes the launch's programs ask L2 for first, before any wait (`l2_prefetch`)."""
+    chunks, one worker each (its partial), summed by the programs that read it (`_published_xa`)."""
     if PDL:
         gdc_launch_dependents()
-    if RANGES > 0:
-        prefetch_ranges(pf0, pf_n0, pf1, pf_n1, pf2, pf_n2, pf3, pf_n3,
-                        tl.program_id(0) + tl.program_id(1) * tl.num_programs(0),
-                        tl.num_programs(0) * tl.num_programs(1), RANGES, PF_CHUNKS)
-    if PDL:
         if PRODUCT < 2 and not WAIT_IN_LOOP:  # pipelined dot loops would move their first loads of x above a
             gdc_wait()  # wait inside the loop
     block = tl.program_id(0)
@@ -778,8 +770,7 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
             num_stages: int | None = None, lora_a_stacked: torch.Tensor | None = None,
             swap: bool | None = None, a_per_program: bool | None = None,
             lora_sync: torch.Tensor | None = None, span_k: bool = False, split_k: int | None = None,
-            split_counters: torch.Tensor | None = None, pair: bool | None = None,
-            prefetch: list[torch.Tensor] | None = None) -> torch.Tensor:
+            split_counters: torch.Tensor | None = None, pair: bool | None = None) -> torch.Tensor:
     """norm(x) through 1-3 weights of one kind: side by side -> [B, sum N] (+ residual), or with `silu_mul`
     (two weights, gate then up) SiLU(gate) * up -> [B, N].
 
@@ -799,9 +790,7 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     once (`lora_a_stacked`); with A per program each program adds its K's share of x @ A.T times B to its
     partial. It needs `split_counters`, int32 zeros on x's device with one entry a tile (`SPLIT_COUNTERS` covers
     the decoder's launches), owned by the call site and left zeroed; without them K is not split. `pair` (None:
-    the tiles' choice): gate's and up's weight tiles in one loop. `prefetch`: up to 4 contiguous tensors (other
-    launches' weights) the launch's programs ask L2 for before anything else (`l2_prefetch`; Hopper on, else
-    ignored).
+    the tiles' choice): gate's and up's weight tiles in one loop.
     """
     k = weights[0].k
     default = tile_config(x.shape[0], x.is_cuda, weights[0].dense, silu_mul, weights[0].lora_a is not None)
@@ -913,18 +902,17 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     grid = (workers + blocks * split_k, batch_blocks)
     code = first.code if first.code is not None else x
     code2 = first.code2 if first.code2 is not None else x
-    pf_args, pf_options = prefetch_args(prefetch, x, num_warps)
     _project[grid](
         x, x.stride(0), batch, k, norm_weight if norm_weight is not None else x, eps, code, code2, rank, *flat,
         y, y.stride(0), residual if residual is not None else y, 0 if residual is None else residual.stride(0),
         stride_xa, x if a_stacked is None else a_stacked, y if xa is None else xa,
-        y if lora_sync is None else lora_sync, workers, ws, counters, k_split, *pf_args,
+        y if lora_sync is None else lora_sync, workers, ws, counters, k_split,
         PARTS=len(weights), SILU_MUL=silu_mul, DENSE=first.dense, NESTED=first.nested, NORM=norm_weight is not None,
         LORA=lora, RESIDUAL=residual is not None, DTYPE=dtype_code(x.dtype),
         BLOCK_B=block_b, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, triton.next_power_of_2(max(rank, 1))),
         PRODUCT=product, SWAP=swap, WAIT_IN_LOOP=swap and num_stages == 1, DOWN_B=down_b, DOWN_R=down_r,
         DOWN_K=down_k, PAIR=pair, SPLIT_K=split_k, CHUNKS=chunks if xa is not None else 1,
-        num_warps=num_warps, **pf_options,
+        num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}), **options)
     return y
 

@@ -57,10 +57,6 @@ from miniverl.engine.rollout.decode_projection import SPLIT_COUNTERS, Weight, pr
 
 AUTO_MAX_SLOTS = {"nf4": 8, "dense": 8}  # the most slots at which `rollout.engine: auto` takes the kernel step
 
-# Which launches of a layer first ask L2 for which weights (`l2_prefetch`): launch ("qkv", "attention", "o",
-# "gate_up", "down") -> ((layers ahead, weight group), ...), at most 4 weights a launch. Empty: none.
-PREFETCH: dict[str, tuple[tuple[int, str], ...]] = {}
-
 
 def auto_choice(body: torch.nn.Module, slots: int, dense_copy: bool = False) -> str | None:
     """Why `auto` keeps the module step for this model and slot count, or None when the kernel step is faster.
@@ -136,26 +132,20 @@ def decode_step(decoder, fused: list[dict]) -> torch.Tensor:
     S = decoder.slots
     cos, sin = decoder.rotary
     h = decoder.body.embed_tokens(tokens_S)
-
-    def ahead(index: int, launch: str) -> list[torch.Tensor] | None:  # the weights `PREFETCH` gives this launch
-        return [w.data for layers, group in PREFETCH.get(launch, ()) if index + layers < len(fused)
-                for w in fused[index + layers][group]] or None
-
     for index, f in enumerate(fused):
         norm = f["input_norm"]
         qkv = project(h, f["qkv"], norm_weight=norm.weight, eps=norm.variance_epsilon, lora_a_stacked=f["qkv_a"],
-                      lora_sync=f["qkv_sync"], split_counters=f["qkv_split"], prefetch=ahead(index, "qkv"))
+                      lora_sync=f["qkv_sync"], split_counters=f["qkv_split"])
         # no `counters`: the separate combine launch measured faster than folding it into the split-key launch
         # (benchmarks/results/decode_step_sweep_h200.md, session 12)
         attended = attend_new_token(qkv, f["q_norm"], f["k_norm"], f["qk_eps"], cos, sin, positions_S,
-                                    decoder.k_cache[index], decoder.v_cache[index], prefetch=ahead(index, "attention"))
+                                    decoder.k_cache[index], decoder.v_cache[index])
         h = project(attended.view(S, -1), f["o"], residual=h, lora_a_stacked=f["o_a"], lora_sync=f["o_sync"],
-                    split_counters=f["o_split"], prefetch=ahead(index, "o"))
+                    split_counters=f["o_split"])
         norm = f["post_norm"]
         act = project(h, f["gate_up"], norm_weight=norm.weight, eps=norm.variance_epsilon, silu_mul=True,
-                      lora_a_stacked=f["gate_up_a"], lora_sync=f["gate_up_sync"], split_counters=f["gate_up_split"],
-                      prefetch=ahead(index, "gate_up"))
+                      lora_a_stacked=f["gate_up_a"], lora_sync=f["gate_up_sync"], split_counters=f["gate_up_split"])
         h = project(act, f["down"], residual=h, lora_a_stacked=f["down_a"], lora_sync=f["down_sync"],
-                    split_counters=f["down_split"], prefetch=ahead(index, "down"))
+                    split_counters=f["down_split"])
     final = decoder.body.norm
     return decoder.lm_head(F.rms_norm(h, final.weight.shape, final.weight, final.variance_epsilon))

@@ -54,15 +54,15 @@ def compiled_for_hopper(kernel, types: dict[str, str], constants: dict, **option
     return triton.compile(source, target=HOPPER, options=options)
 
 
-def split_key_attention(prologue: bool, block_l: int, dot: bool, combine: bool = False, ranges: int = 0):
+def split_key_attention(prologue: bool, block_l: int, dot: bool, combine: bool = False):
     types = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "q_weight_ptr", "k_weight_ptr", "cos_ptr",
-                                        "sin_ptr", "pf0", "pf1", "pf2", "pf3")}
+                                        "sin_ptr")}
     types.update({"positions_ptr": "*i64", "max_ptr": "*fp32", "sum_ptr": "*fp32", "acc_ptr": "*fp32",
                   "scale": "fp32", "eps": "fp32", "count_ptr": "*i32", "out_ptr": "*bf16"})
     group = 16 if dot else 2
     assert compile_for_hopper(decode_attention._split_attention, types, dict(
         GROUP=group, BLOCK_G=group, HEAD_DIM=128, BLOCK_L=block_l, DOT=dot, PROLOGUE=prologue, N_Q=16, DTYPE=0,
-        COMBINE=combine, BLOCK_S=64, PDL=True, RANGES=ranges, PF_CHUNKS=128), launch_pdl=True)
+        COMBINE=combine, BLOCK_S=64, PDL=True), launch_pdl=True)
 
 
 def combine_and_the_separate_prologue():
@@ -109,12 +109,6 @@ PROJECTIONS = {
                                               SPLIT_K=3), 3),
     "swap-gate_up-split-a-per-program-8": (False, dict(PARTS=2, SILU_MUL=True, NORM=True, LORA=1, PRODUCT=1,
                                                        SWAP=True, BLOCK_N=32, BLOCK_K=256, PAIR=False, SPLIT_K=2), 3),
-    # launches that first ask L2 for other weights (l2_prefetch): a broadcast one and a swapped one
-    "qkv-broadcast-prefetch-1": (False, dict(PARTS=3, NORM=True, BLOCK_B=1, SPLIT_K=1, RANGES=3), None),
-    "nf4-down-split-prefetch-8": (True, dict(RESIDUAL=True, BLOCK_B=8, SPLIT_K=3, CHUNKS=3, RANGES=1), None),
-    "swap-gate_up-two-loops-prefetch-8": (False, dict(PARTS=2, SILU_MUL=True, NORM=True, LORA=1, PRODUCT=1,
-                                                      SWAP=True, BLOCK_N=32, BLOCK_K=256, PAIR=False, SPLIT_K=1,
-                                                      RANGES=4), 3),
 }
 
 
@@ -129,15 +123,14 @@ def projection_kernel(name: str, **overrides):
     lora = constants.get("LORA", 3)
     types = {"x_ptr": "*bf16", "norm_ptr": "*bf16", "eps": "fp32", "code_ptr": "*fp32", "code2_ptr": "*fp32",
              "y_ptr": "*bf16", "residual_ptr": "*bf16", "a_stacked_ptr": "*bf16", "xa_ptr": "*fp32",
-             "sync_ptr": "*i32", "ws_ptr": "*fp32", "count_ptr": "*i32",
-             **{f"pf{i}": "*bf16" for i in range(4)}}
+             "sync_ptr": "*i32", "ws_ptr": "*fp32", "count_ptr": "*i32"}
     for i in range(3):
         types.update({f"w{i}": "*u8" if nf4 else "*bf16", f"absmax{i}": "*u8" if nf4 else "*bf16",
                       f"absmax2_{i}": "*fp32" if nf4 else "*bf16", f"offset{i}": "fp32",
                       f"a{i}": "*bf16" if lora == 1 else "*fp32", f"b{i}": "*bf16"})
     shared = dict(PARTS=1, SILU_MUL=False, DENSE=not nf4, NESTED=nf4, NORM=False, LORA=lora, RESIDUAL=False,
                   DTYPE=0, BLOCK_N=8, BLOCK_K=1024, BLOCK_R=16, PRODUCT=2, PDL=True, SWAP=False,
-                  WAIT_IN_LOOP=False, DOWN_B=1, DOWN_R=8, DOWN_K=1024, PAIR=True, CHUNKS=1, RANGES=0, PF_CHUNKS=128)
+                  WAIT_IN_LOOP=False, DOWN_B=1, DOWN_R=8, DOWN_K=1024, PAIR=True, CHUNKS=1)
     constants = {**shared, **constants}
     if constants["SWAP"]:
         constants["BLOCK_B"] = 16
@@ -151,7 +144,6 @@ CASES = {
        for prologue in (True, False) for block_l, dot in ((16, False), (32, False), (32, True))},
     **{f"attention-combined-{'prologue' if prologue else 'q'}-{block_l}":
        (split_key_attention, (prologue, block_l, False, True)) for prologue in (True, False) for block_l in (16, 32)},
-    "attention-prologue-16-prefetch": (split_key_attention, (True, 16, False, False, 4)),
     "combine-and-prologue": (combine_and_the_separate_prologue, ()),
     **{f"project-{name}": (projection, (name,)) for name in PROJECTIONS},
 }
