@@ -131,7 +131,12 @@ VARIANTS = {
     "bcast_2x1024_split4": {"product": 2, "block_n": 2, "block_k": 1024, "split_k": 4, "once": True},
     # tile_config's tiles, its broadcast products over several rows summed over K for every row at once
     # (PRODUCT_BROADCAST_AT_ONCE): fewer cross-warp reductions than one row at a time (session 14)
-    "at_once": {"at_once": True},
+    "at_once": {"broadcast": 3},
+    # the same for NF4 (only: they name the tiles of every launch) with 8-row tiles, or 8 warps (session 15)
+    "at_once_n8": {"broadcast": 3, "block_n": 8},
+    "at_once_w8": {"broadcast": 3, "num_warps": 8},
+    # every broadcast product over several rows one row at a time (PRODUCT_BROADCAST): the tiles before session 15
+    "one_row": {"broadcast": 2},
 }
 DEFAULT_VARIANTS = ["default", "module", "separate_down", "broadcast_8x1024_once", "tc_16x256_once",
                     "swap_32x256_s3", "swap_16x256_s3", "swap_64x256_s3", "swap_16x512_s1"]
@@ -146,25 +151,25 @@ def patched_project(original, options: dict):
         options.setdefault("swap", False)
 
     only = {kind: options.pop(f"only_{kind}", {}) for kind in ("qkv", "gate_up")}
-    at_once = options.pop("at_once", False)
+    broadcast = options.pop("broadcast", None)
 
     def project(x, weights, **kwargs):
         kind = "gate_up" if kwargs.get("silu_mul") else "qkv" if len(weights) == 3 else None
-        tiles = at_once_tiles(x, weights, kwargs.get("silu_mul", False)) if at_once else {}
+        tiles = {} if broadcast is None else broadcast_tiles(x, weights, kwargs.get("silu_mul", False), broadcast)
         return original(x, weights, **{**kwargs, **tiles, **options, **only.get(kind, {})})
     return project
 
 
-def at_once_tiles(x, weights, silu_mul: bool) -> dict:
+def broadcast_tiles(x, weights, silu_mul: bool, product: int) -> dict:
     """`tile_config`'s tiles for the launch as `project` arguments (a launch naming its product names every
-    field), with broadcast products over more than one row of x taken at once (`PRODUCT_BROADCAST_AT_ONCE`);
-    nothing for other launches."""
+    field), with its broadcast product over more than one row of x replaced by `product` (one row at a time or
+    every row at once); nothing for other launches."""
     from miniverl.engine.rollout.decode_projection import (PRODUCT_BROADCAST, PRODUCT_BROADCAST_AT_ONCE,
                                                            tile_config)
     tiles = tile_config(x.shape[0], x.is_cuda, weights[0].dense, silu_mul, weights[0].lora_a is not None)
-    if tiles.product != PRODUCT_BROADCAST or x.shape[0] == 1:
+    if tiles.product not in (PRODUCT_BROADCAST, PRODUCT_BROADCAST_AT_ONCE) or x.shape[0] == 1:
         return {}
-    return dataclasses.asdict(dataclasses.replace(tiles, product=PRODUCT_BROADCAST_AT_ONCE))
+    return dataclasses.asdict(dataclasses.replace(tiles, product=product))
 
 
 def two_launch_attention(qkv, q_weight, k_weight, eps, cos, sin, positions, k_cache, v_cache):

@@ -743,7 +743,10 @@ def tile_config(batch: int, on_gpu: bool, dense: bool = False, silu_mul: bool = 
     1.865 against 1.930 at 4, 3.047 against 3.083 at 8) and dense weights without an adapter at 2-4 rows
     (0.909 against 0.935 ms at 2 rows, 1.121 against 1.228 at 4; with LoRA 8 rows, 1.197 against 1.279 at 2).
     Dense weights at 2 and 4 rows took 1.197 and 1.600 ms so with LoRA against 2.079 and 1.877 in swapped tiles
-    (session 13).
+    (session 13). From 4 rows, NF4's and those of dense weights with an adapter sum every row at once
+    (`PRODUCT_BROADCAST_AT_ONCE`; session 15 on an H100: NF4 1.794 against 1.906 ms at 4 rows, 2.687 against 3.072
+    at 8; bf16 1.627 against 1.701 at 4); at 2 rows it was no faster, and the dense copy (no adapter) at 4 rows
+    slower (1.237 against 1.178).
 
     Swapped tensor-core tiles (dense weights from 5 rows): 32 x 256 over 3 stages with x @ A.T in every program,
     gate's loop then up's (2.36 ms against 3.45 for the unswapped tiles and 2.78 for the module step at 8 bf16
@@ -760,7 +763,8 @@ def tile_config(batch: int, on_gpu: bool, dense: bool = False, silu_mul: bool = 
         return Tiles(PRODUCT_TENSOR_CORE, 32, 256, swap=True, num_stages=3, a_per_program=True, pair=False)
     if batch <= 8:
         narrow = (not dense and (silu_mul or batch > 1)) or (dense and not lora and batch > 1)
-        return Tiles(PRODUCT_BROADCAST, 4 if narrow else 8, 1024, split_k=4)
+        at_once = batch >= 4 and (not dense or lora)
+        return Tiles(PRODUCT_BROADCAST_AT_ONCE if at_once else PRODUCT_BROADCAST, 4 if narrow else 8, 1024, split_k=4)
     return Tiles(PRODUCT_TENSOR_CORE, 32, 256)
 
 

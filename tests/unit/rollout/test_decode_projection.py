@@ -155,6 +155,10 @@ def test_the_tiles_a_gpu_takes_for_dense_weights_without_an_adapter(batch: int):
     assert tile_config(3, True, dense=True) == Tiles(PRODUCT_BROADCAST, 8, 1024, split_k=4)
     assert tile_config(8, True, dense=True, lora=False).split_k == 3 and tile_config(8, True, dense=True).split_k == 1
     assert tile_config(17, True, dense=True, lora=False).split_k == 1
+    # every row's sums at once from 4 rows for NF4 and for dense weights with an adapter (session 15)
+    assert tile_config(4, True, dense=True, lora=False).product == PRODUCT_BROADCAST
+    assert [tile_config(b, True).product for b in (1, 3, 4, 8)] == [PRODUCT_BROADCAST] * 2 + [PRODUCT_BROADCAST_AT_ONCE] * 2
+    assert tile_config(4, True, dense=True).product == PRODUCT_BROADCAST_AT_ONCE
     gen = torch.Generator().manual_seed(40 + batch)
     k, eps = 384, 1e-6  # three 128-column tiles: split 3 takes one each
     dense = [draw(gen, n, k, s=0.05) for n in (96, 40, 48)]
