@@ -43,7 +43,10 @@ Forwarding x @ A.T from each launch to the next, so that no launch computes its 
 was measured slower (bf16 1.15 / 3.48 ms) and not kept. Session 12: combining the
 attention's splits inside the split-key launch (`attend_new_token(counters=...)`)
 was slower too (bf16 0.928 against 0.897 ms at one slot, NF4 1.188 against 1.135),
-so the step keeps the combine as a launch of its own.
+so the step keeps the combine as a launch of its own. Session 15 (on an H100): NF4 at
+eight slots 2.69 ms against 3.08 with every row's broadcast sums at once (`tile_config`);
+launches asking L2 for later launches' weights (Hopper's bulk prefetch) were slower at
+every schedule tried (bf16 1.03-1.25 ms against 0.99 at one slot) and were not kept.
 """
 
 from __future__ import annotations
