@@ -153,8 +153,8 @@ class RolloutSpec(_Strict):
     engine: Literal["auto", "graph", "plain"] = "auto"
     # An NF4 student's base weights dequantized once per rollout stage into one copy in the compute dtype, so
     # several sequences decode through plain matmuls on the very weights bitsandbytes' matmul dequantizes to.
-    # auto: where the memory plan fits the copy beside the rollout's batch and more than one sequence decodes
-    # at a time (one sequence: the in-register NF4 kernels are faster); freed when the stage ends.
+    # auto: where the memory plan fits the copy beside the rollout's batch (faster from one sequence on);
+    # freed when the stage ends.
     dense_copy: bool | Auto = "auto"
 
 
