@@ -208,8 +208,9 @@ def _plan_dense_copy(recipe: Recipe, student: ModelShape, teacher: ModelShape, d
     Measured at the Qwen3-0.6B shape (NF4 + LoRA r16, the copy with the adapter merged in; the kernel step,
     results/decode_step_sweep_h200.md, session 15, one H100 run): a step of one sequence takes 0.81 ms on the
     copy against 1.19 through the in-register NF4 kernels, of eight 1.40 against 2.69 (on an H200, session 13:
-    0.71 against 1.16 and 1.34 against 3.05). So the copy pays from one sequence on; building it is one
-    dequantize of 0.8 GiB a rollout stage, a few milliseconds against ~0.4 ms saved on every step."""
+    0.71 against 1.16 and 1.34 against 3.05). So the copy pays from one sequence on. Building it, once a
+    rollout stage, is not timed apart; with it the calc recipe's rollout stage of eight sequences took 1.8-1.9 s
+    against 3.3 without (README, rollout.dense_copy)."""
     requested = recipe.rollout.dense_copy
     if not dense_copy_applies(recipe, device):
         return Resolution("false", "not applicable: no NF4 student decoded by the CUDA-graph engine here")
