@@ -12,7 +12,9 @@ NF4 matmul or one stacked cuBLAS matmul per group, plus the LoRA matmuls, the
 norm and the adds). Then `decode_attention` over a 704-key cache at each split
 length against SDPA. Times are per call, from a CUDA graph of `--calls`
 back-to-back calls replayed `--replays` times (launch gaps count as in the
-decode graph); the bandwidth fraction is the weight bytes over the time,
+decode graph); each group's `shipped` row is the launch as the decode step makes
+it (`tile_config`'s tiles, x @ A.T inside the launch, K split where the tiles
+say; `--shipped-only` times only those). The bandwidth fraction is the weight bytes over the time,
 against the device-to-device copy bandwidth measured at the start. Rows are
 written as they come (a killed run keeps what it measured).
 """
@@ -20,6 +22,7 @@ written as they come (a killed run keeps what it measured).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import platform
@@ -31,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from miniverl.engine.rollout.decode_attention import decode_attention
-from miniverl.engine.rollout.decode_projection import PRODUCT_BROADCAST, PRODUCT_TENSOR_CORE, Weight, project
+from miniverl.engine.rollout.decode_projection import (PRODUCT_BROADCAST, PRODUCT_TENSOR_CORE, SPLIT_COUNTERS, Weight,
+                                                       project, stack_lora_a, tile_config)
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 1024, 3072, 16, 8, 128
 # group: ([N of each weight], K, fused RMSNorm, residual, SiLU * up)
@@ -138,7 +142,21 @@ def bench_group(name, kind, batch, args, bandwidth, rows, write):
             "lora_rank": args.rank}
     us = graph_us(module_step, args.calls, args.replays)
     rows.append({**base, "impl": "module step", "us": us, "bw_fraction": weight_bytes / (us / 1e6) / bandwidth})
-    for product, block_n, block_k in configs(batch, kind, args.tiles):
+    # the launch as fused_step.decode_step makes it: tile_config's tiles, x @ A.T in the launch, K split
+    stacked_a = stack_lora_a(weights) if args.rank else None
+    sync, split = (torch.zeros(n, dtype=torch.int32, device="cuda") for n in (2, SPLIT_COUNTERS))
+
+    def shipped():
+        return project(x, weights, norm_weight=gamma if norm else None, residual=res, silu_mul=silu,
+                       lora_a_stacked=stacked_a, lora_sync=sync, split_counters=split)
+
+    tiles = tile_config(batch, True, kind == "bf16", silu, bool(args.rank))
+    row = {**base, "impl": "shipped", "tiles": dataclasses.asdict(tiles)}
+    row["rel_err_vs_module"] = float((shipped().double() - want).norm() / want.norm())
+    row["us"] = graph_us(shipped, args.calls, args.replays)
+    row["bw_fraction"] = weight_bytes / (row["us"] / 1e6) / bandwidth
+    rows.append(row)
+    for product, block_n, block_k in [] if args.shipped_only else configs(batch, kind, args.tiles):
         for warps in args.warps:
             def call():
                 return project(x, weights, norm_weight=gamma if norm else None, residual=res, silu_mul=silu,
@@ -191,15 +209,15 @@ def best(rows):
     for key in keys:
         group = [r for r in rows if (r.get("group", "attention"), r.get("weights", "-"), r["batch"]) == key
                  and "us" in r]
-        ours = [r for r in group if r["impl"] in ("project", "decode_attention")]
+        ours = [r for r in group if r["impl"] in ("project", "shipped", "decode_attention")]
         theirs = [r for r in group if r["impl"] in ("module step", "sdpa (module step)")]
         if ours and theirs:
             top = min(ours, key=lambda r: r["us"])
             out.append({"what": key[0], "weights": key[1], "batch": key[2], "module_step_us": theirs[0]["us"],
                         "best_us": top["us"], "speedup": theirs[0]["us"] / top["us"],
                         "best_bw_fraction": top["bw_fraction"],
-                        "best": {c: top[c] for c in ("product", "block_n", "block_k", "num_warps", "split_len",
-                                                     "block_l") if c in top}})
+                        "best": {c: top[c] for c in ("impl", "product", "block_n", "block_k", "num_warps",
+                                                     "split_len", "block_l") if c in top}})
     return out
 
 
@@ -216,6 +234,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank on every weight (0: none)")
     parser.add_argument("--tiles", type=lambda t: tuple(int(v) for v in t.split("/")), nargs="+",
                         help="only these product/block_n/block_k tiles (e.g. 2/8/1024 1/16/256)")
+    parser.add_argument("--shipped-only", action="store_true",
+                        help="time each launch only as the decode step makes it (tile_config's tiles)")
     args = parser.parse_args()
     if args.no_pdl:
         from miniverl.engine.rollout import decode_projection
