@@ -32,7 +32,7 @@ import torch
 from miniverl.engine.core.device import environment
 from miniverl.engine.core.recipe import LoraSpec
 from miniverl.engine.models.loading import attach_lora, load_causal_lm
-from miniverl.engine.rollout import fused_step
+from miniverl.engine.rollout import decode_projection, fused_step
 from miniverl.engine.rollout.cuda_graph import StaticDecoder
 from miniverl.engine.rollout.decode_attention import (COUNTERS, attend_new_token, decode_attention,
                                                       qk_norm_rope_append)
@@ -137,24 +137,51 @@ VARIANTS = {
     "at_once_w8": {"broadcast": 3, "num_warps": 8},
     # every broadcast product over several rows one row at a time (PRODUCT_BROADCAST): the tiles before session 15
     "one_row": {"broadcast": 2},
+    # bf16 rounded by its bit arithmetic in the compiled kernels too (DTYPE 0), as before session 16
+    "bit_rounding": {"bit_rounding": True},
+    # one launch kind's tiles at a time (session 16, dense weights past four rows): swapped 16 x 256 tiles (twice
+    # the programs), swapped 32 x 128 over 4 stages, the shipped tiles with K over 2 programs, or broadcast sums
+    # of every row at once (8- or 4-row tiles, K over up to 4 programs, x @ A.T by the launch's first programs)
+    "qkv_swap_16x256": {"only_qkv": {"product": 1, "swap": True, "block_n": 16, "block_k": 256, "num_stages": 3, "a_per_program": True}},
+    "qkv_swap_32x128_s4": {"only_qkv": {"product": 1, "swap": True, "block_n": 32, "block_k": 128, "num_stages": 4, "a_per_program": True}},
+    "qkv_split_2": {"only_qkv": {"split_k": 2}},
+    "qkv_at_once_8": {"only_qkv": {"product": 3, "swap": False, "block_n": 8, "block_k": 1024, "split_k": 4, "a_per_program": False}},
+    "qkv_at_once_4": {"only_qkv": {"product": 3, "swap": False, "block_n": 4, "block_k": 1024, "split_k": 4, "a_per_program": False}},
+    "o_swap_16x256": {"only_o": {"product": 1, "swap": True, "block_n": 16, "block_k": 256, "num_stages": 3, "a_per_program": True}},
+    "o_swap_32x128_s4": {"only_o": {"product": 1, "swap": True, "block_n": 32, "block_k": 128, "num_stages": 4, "a_per_program": True}},
+    "o_split_2": {"only_o": {"split_k": 2}},
+    "o_at_once_8": {"only_o": {"product": 3, "swap": False, "block_n": 8, "block_k": 1024, "split_k": 4, "a_per_program": False}},
+    "o_at_once_4": {"only_o": {"product": 3, "swap": False, "block_n": 4, "block_k": 1024, "split_k": 4, "a_per_program": False}},
+    "gate_up_swap_16x256": {"only_gate_up": {"product": 1, "swap": True, "block_n": 16, "block_k": 256, "num_stages": 3, "a_per_program": True}},
+    "gate_up_swap_32x128_s4": {"only_gate_up": {"product": 1, "swap": True, "block_n": 32, "block_k": 128, "num_stages": 4, "a_per_program": True}},
+    "gate_up_split_2": {"only_gate_up": {"split_k": 2}},
+    "gate_up_at_once_8": {"only_gate_up": {"product": 3, "swap": False, "block_n": 8, "block_k": 1024, "split_k": 4, "a_per_program": False}},
+    "gate_up_at_once_4": {"only_gate_up": {"product": 3, "swap": False, "block_n": 4, "block_k": 1024, "split_k": 4, "a_per_program": False}},
+    "down_swap_16x256": {"only_down": {"product": 1, "swap": True, "block_n": 16, "block_k": 256, "num_stages": 3, "a_per_program": True}},
+    "down_swap_32x128_s4": {"only_down": {"product": 1, "swap": True, "block_n": 32, "block_k": 128, "num_stages": 4, "a_per_program": True}},
+    "down_split_2": {"only_down": {"split_k": 2}},
+    "down_at_once_8": {"only_down": {"product": 3, "swap": False, "block_n": 8, "block_k": 1024, "split_k": 4, "a_per_program": False}},
+    "down_at_once_4": {"only_down": {"product": 3, "swap": False, "block_n": 4, "block_k": 1024, "split_k": 4, "a_per_program": False}},
 }
 DEFAULT_VARIANTS = ["default", "module", "separate_down", "broadcast_8x1024_once", "tc_16x256_once",
                     "swap_32x256_s3", "swap_16x256_s3", "swap_64x256_s3", "swap_16x512_s1"]
 
 
-def patched_project(original, options: dict):
+def patched_project(original, options: dict, intermediate: int):
     """fused_step's `project` with the variant's options on every launch (per-launch arguments kept); a
-    variant that names its tiles computes x @ A.T in every program unless it says `once`."""
+    variant that names its tiles computes x @ A.T in every program unless it says `once`. `only_<kind>`
+    options go to one launch kind (qkv, o, gate_up, down: down_proj's K is the model's intermediate size)."""
     options = dict(options)
     if "product" in options:
         options["a_per_program"] = not options.pop("once", False)
         options.setdefault("swap", False)
 
-    only = {kind: options.pop(f"only_{kind}", {}) for kind in ("qkv", "gate_up")}
+    only = {kind: options.pop(f"only_{kind}", {}) for kind in ("qkv", "o", "gate_up", "down")}
     broadcast = options.pop("broadcast", None)
 
     def project(x, weights, **kwargs):
-        kind = "gate_up" if kwargs.get("silu_mul") else "qkv" if len(weights) == 3 else None
+        kind = ("gate_up" if kwargs.get("silu_mul") else "qkv" if len(weights) == 3
+                else "down" if weights[0].k == intermediate else "o")
         tiles = {} if broadcast is None else broadcast_tiles(x, weights, kwargs.get("silu_mul", False), broadcast)
         return original(x, weights, **{**kwargs, **tiles, **options, **only.get(kind, {})})
     return project
@@ -196,13 +223,15 @@ def bench(model, label: str, slots: int, variants: list[str], args, bandwidth: f
         kernels = options.pop("kernels", True)
         if options.pop("separate_prologue", False):
             fused_step.attend_new_token = two_launch_attention
+        if options.pop("bit_rounding", False):
+            decode_projection.HARDWARE_BF16_ROUNDING = False
         if options.pop("folded_combine", False):
             fused_step.attend_new_token = folded_combine(torch.zeros(COUNTERS, dtype=torch.int32, device="cuda"))
         attention = {key.removeprefix("attention_"): options.pop(key) for key in list(options)
                      if key.startswith("attention_")}
         if attention:
             fused_step.attend_new_token = functools.partial(attend_new_token, **attention)
-        fused_step.project = patched_project(original, options)
+        fused_step.project = patched_project(original, options, model.config.intermediate_size)
         try:
             start = time.perf_counter()
             decoder = StaticDecoder(model, slots, args.prompt_tokens + args.new_tokens, use_graph=True,
@@ -222,6 +251,7 @@ def bench(model, label: str, slots: int, variants: list[str], args, bandwidth: f
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         finally:
             fused_step.project, fused_step.attend_new_token = original, attend_new_token
+            decode_projection.HARDWARE_BF16_ROUNDING = True
             torch.cuda.empty_cache()
         print(json.dumps(row), flush=True)
         rows.append(row)

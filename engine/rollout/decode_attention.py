@@ -258,7 +258,8 @@ def qk_norm_rope_append(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: tor
     _qk_norm_rope_append[(slots, heads + 2 * kv_heads)](
         qkv, qkv.stride(0), q_weight, k_weight, eps, cos, sin, positions, q, q.stride(0), k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        N_Q=heads, N_KV=kv_heads, HEAD_DIM=head_dim, DTYPE=dtype_code(qkv.dtype), **launch_options(qkv.device))
+        N_Q=heads, N_KV=kv_heads, HEAD_DIM=head_dim, DTYPE=dtype_code(qkv.dtype, qkv.device),
+        **launch_options(qkv.device))
     return q
 
 
@@ -359,7 +360,7 @@ def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, po
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), n_splits, split_len,
         q_weight, k_weight, eps, cos, sin, positions if counters is None else counters, out, out.stride(0),
         out.stride(1), GROUP=group, BLOCK_G=max(16, block_g) if dot else block_g, HEAD_DIM=head_dim,
-        BLOCK_L=block_l, DOT=dot, PROLOGUE=prologue is not None, N_Q=heads, DTYPE=dtype_code(q.dtype),
+        BLOCK_L=block_l, DOT=dot, PROLOGUE=prologue is not None, N_Q=heads, DTYPE=dtype_code(q.dtype, q.device),
         COMBINE=counters is not None, BLOCK_S=block_s, num_warps=num_warps, **options)
     if counters is None:
         _combine[(slots, heads)](partial, sums, acc, out, positions, split_len, n_splits, out.stride(0),

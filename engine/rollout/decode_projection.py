@@ -38,6 +38,7 @@ interpreter (which has no half-precision dot) by float32 ones.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -56,12 +57,23 @@ SPAN_K_MAX = 4096  # the widest broadcast tile `project(span_k=True)` takes
 SPLIT_COUNTERS = 4096  # `project(split_counters=...)` entries a call site allocates: tiles x blocks of rows
 
 
-def dtype_code(dtype: torch.dtype) -> int:
-    """The kernels' DTYPE: 0 bf16, 1 fp16, 2 fp32 (float32 models: the reference the greedy tests compare to)."""
+def dtype_code(dtype: torch.dtype, device: torch.device | None = None) -> int:
+    """The kernels' DTYPE: 0 bf16 rounded by its bits, 1 fp16, 2 fp32 (float32 models: the reference the greedy
+    tests compare to), 3 bf16 rounded by the GPU's own conversion (a compiled kernel on `device`, CUDA)."""
     codes = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
     if dtype not in codes:
         raise ValueError(f"the decode kernels compute in bf16, fp16 or fp32; got {dtype}")
+    if codes[dtype] == 0 and device is not None and device.type == "cuda" and HARDWARE_BF16_ROUNDING \
+            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return 3
     return codes[dtype]
+
+
+# The compiled kernels round float32 to bf16 by the conversion instruction (cvt.rn: to nearest, ties to even,
+# the bit arithmetic's result bit for bit; NF4 qkv at 8 rows compiles to 13% fewer instructions): the replayed
+# step at 1 and 8 slots 0.965 and 1.900 ms against 0.989 and 2.057 (bf16), NF4 1.133 and 2.448 against 1.189 and
+# 2.685 (one H100, session 17). False: the bit arithmetic everywhere, for the sweep to compare.
+HARDWARE_BF16_ROUNDING = True
 
 
 PDL: bool | None = None  # None: where the device and Triton support it; the benchmarks set False to compare
@@ -84,9 +96,11 @@ def launch_options(device: torch.device) -> dict:
 
 @triton.jit
 def round_to_dtype(v, DTYPE: tl.constexpr):
-    """float32 v rounded to the compute dtype (to nearest, ties to even) and back; bf16 by its bits, since
-    Triton's CPU interpreter truncates a bf16 cast where the GPU rounds."""
-    if DTYPE == 0:
+    """float32 v rounded to the compute dtype (to nearest, ties to even) and back; bf16 by its bits (DTYPE 0),
+    since Triton's CPU interpreter truncates a bf16 cast where the GPU rounds, or by that cast (3: on a GPU)."""
+    if DTYPE == 3:
+        return v.to(tl.bfloat16).to(tl.float32)
+    elif DTYPE == 0:
         bits = v.to(tl.uint32, bitcast=True)
         bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
         return bits.to(tl.float32, bitcast=True)
@@ -104,7 +118,7 @@ def _product(x, w, PRODUCT: tl.constexpr, DTYPE: tl.constexpr):
     K share one reduction (one row at a time, each row's crosses the warps on its own: NF4 gate/up at 8 rows
     compiles to 194 barriers, 62 at once, session 14)."""
     if PRODUCT == 1:
-        half = tl.bfloat16 if DTYPE == 0 else tl.float16
+        half = tl.bfloat16 if DTYPE == 0 or DTYPE == 3 else tl.float16
         return tl.dot(x.to(half), tl.trans(w.to(half)))
     elif PRODUCT == 3:
         return tl.sum(x[:, None, :] * w[None, :, :], axis=2)
@@ -348,7 +362,7 @@ def _tile_swapped(x_base, batch_ok, inv_rms, norm_ptr, w_ptr, absmax_ptr, absmax
         if LORA == 1:
             a, a1 = _a_tiles(a_ptr, a1_ptr, ranks, r, cols, col_ok, K, PAIR)
         if PRODUCT == 1:
-            half = tl.bfloat16 if DTYPE == 0 else tl.float16
+            half = tl.bfloat16 if DTYPE == 0 or DTYPE == 3 else tl.float16
             acc = tl.dot(w.to(half), x.to(half), acc)
             if PAIR:
                 acc1 = tl.dot(w1.to(half), x.to(half), acc1)
@@ -879,7 +893,7 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
         else:
             _lora_down[down_grid](
                 x, x.stride(0), batch, k, norm_weight if norm_weight is not None else x, eps, lora_a_stacked,
-                stride_xa, xa, NORM=norm_weight is not None, DTYPE=dtype_code(x.dtype), BLOCK_B=down_b,
+                stride_xa, xa, NORM=norm_weight is not None, DTYPE=dtype_code(x.dtype, x.device), BLOCK_B=down_b,
                 BLOCK_R=down_r, BLOCK_K=down_k, CHUNKS=chunks, **options)
 
     flat = []
@@ -912,7 +926,7 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
         stride_xa, x if a_stacked is None else a_stacked, y if xa is None else xa,
         y if lora_sync is None else lora_sync, workers, ws, counters, k_split,
         PARTS=len(weights), SILU_MUL=silu_mul, DENSE=first.dense, NESTED=first.nested, NORM=norm_weight is not None,
-        LORA=lora, RESIDUAL=residual is not None, DTYPE=dtype_code(x.dtype),
+        LORA=lora, RESIDUAL=residual is not None, DTYPE=dtype_code(x.dtype, x.device),
         BLOCK_B=block_b, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, triton.next_power_of_2(max(rank, 1))),
         PRODUCT=product, SWAP=swap, WAIT_IN_LOOP=swap and num_stages == 1, DOWN_B=down_b, DOWN_R=down_r,
         DOWN_K=down_k, PAIR=pair, SPLIT_K=split_k, CHUNKS=chunks if xa is not None else 1,

@@ -13,10 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="needs Triton (the dev extra installs it)")
+triton = pytest.importorskip("triton", reason="needs Triton (the dev extra installs it)")
+tl = pytest.importorskip("triton.language")
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 from miniverl.engine.rollout.decode_projection import (  # noqa: E402
-    PRODUCT_BROADCAST, PRODUCT_BROADCAST_AT_ONCE, Tiles, Weight, project, stack_lora_a, tile_config)
+    PRODUCT_BROADCAST, PRODUCT_BROADCAST_AT_ONCE, Tiles, Weight, project, round_to_dtype, stack_lora_a,
+    tile_config)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # How the tiles multiply (decode_projection._product): float32 dots, broadcast sums, and on a GPU tensor-core
@@ -347,3 +349,74 @@ def test_refuses_mixed_launches():
         make("nf4", 32, 80, 4, gen)
     with pytest.raises(ValueError, match="swap takes a dot product"):
         project(x, [nf4], product=2, swap=True)
+
+
+def test_the_bf16_rounding_by_conversion_is_only_for_compiled_kernels(monkeypatch):
+    """DTYPE 3 (the GPU's bf16 conversion) only where a compiled kernel runs: Triton's interpreter truncates that
+    cast, so on a CPU, and under TRITON_INTERPRET, bf16 keeps the bit arithmetic (DTYPE 0)."""
+    from miniverl.engine.rollout import decode_projection
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert decode_projection.dtype_code(torch.bfloat16, cuda) == 3
+    assert decode_projection.dtype_code(torch.bfloat16, cpu) == 0 and decode_projection.dtype_code(torch.bfloat16) == 0
+    assert decode_projection.dtype_code(torch.float16, cuda) == 1 and decode_projection.dtype_code(torch.float32, cuda) == 2
+    monkeypatch.setattr(decode_projection, "HARDWARE_BF16_ROUNDING", False)
+    assert decode_projection.dtype_code(torch.bfloat16, cuda) == 0
+    monkeypatch.setattr(decode_projection, "HARDWARE_BF16_ROUNDING", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert decode_projection.dtype_code(torch.bfloat16, cuda) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device: the conversion runs only in compiled kernels")
+@pytest.mark.parametrize("kind", ["nf4", "dense"])
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_gpu_bf16_rounding_by_conversion_is_bit_for_bit_the_bit_arithmetic(monkeypatch, kind: str, batch: int):
+    """The projections as the step launches them (tile_config's tiles, x @ A.T in the launch, SiLU * up and the
+    residual) give the same bits with bf16 rounded by the conversion (DTYPE 3) as by the bit arithmetic (0)."""
+    from miniverl.engine.rollout import decode_projection
+    gen = torch.Generator().manual_seed(batch)
+    k = 1024
+    qkv = [make(kind, n, k, 16, gen)[0] for n in (256, 128, 128)]
+    gate_up = [make(kind, 512, k, 16, gen)[0] for _ in range(2)]
+    down = make(kind, k, 512, 16, gen)[0]
+    x, gamma, residual = draw(gen, batch, k, s=3.0), draw(gen, k, s=0.5), draw(gen, batch, k, s=2.0)
+
+    def launches():
+        sync = [torch.zeros(2, dtype=torch.int32, device=DEVICE) for _ in range(3)]
+        counters = [torch.zeros(4096, dtype=torch.int32, device=DEVICE) for _ in range(3)]
+        a = project(x, qkv, norm_weight=gamma, lora_a_stacked=stack_lora_a(qkv), lora_sync=sync[0],
+                    split_counters=counters[0])
+        act = project(x, gate_up, norm_weight=gamma, silu_mul=True, lora_a_stacked=stack_lora_a(gate_up),
+                      lora_sync=sync[1], split_counters=counters[1])
+        b = project(act, [down], residual=residual, lora_a_stacked=stack_lora_a([down]), lora_sync=sync[2],
+                    split_counters=counters[2])
+        return a, act, b
+
+    by_conversion = launches()
+    monkeypatch.setattr(decode_projection, "HARDWARE_BF16_ROUNDING", False)
+    by_bits = launches()
+    for got, want in zip(by_conversion, by_bits):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@triton.jit
+def _rounded(v_ptr, out_ptr, DTYPE: tl.constexpr):
+    at = tl.program_id(0) * 1024 + tl.arange(0, 1024)
+    tl.store(out_ptr + at, round_to_dtype(tl.load(v_ptr + at), DTYPE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device: the conversion runs only in compiled kernels")
+def test_gpu_bf16_conversion_rounds_every_value_as_the_bit_arithmetic():
+    """round_to_dtype's DTYPE 3 against DTYPE 0 on random floats over many magnitudes and on exact halfway
+    points (ties to even), bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(1 << 16, generator=gen) * torch.exp2(torch.randint(-40, 40, (1 << 16,), generator=gen))
+    ties = (values.to(torch.bfloat16).float().view(torch.int32) | 0x8000).view(torch.float32)  # exactly halfway
+    v = torch.cat([values, ties]).to(DEVICE)
+    got, want = torch.empty_like(v), torch.empty_like(v)
+    _rounded[(v.numel() // 1024,)](v, got, DTYPE=3)
+    _rounded[(v.numel() // 1024,)](v, want, DTYPE=0)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(want.cpu(), v.cpu().to(torch.bfloat16).float())  # both: torch's round to nearest, ties even

@@ -61,7 +61,7 @@ def split_key_attention(prologue: bool, block_l: int, dot: bool, combine: bool =
                   "scale": "fp32", "eps": "fp32", "count_ptr": "*i32", "out_ptr": "*bf16"})
     group = 16 if dot else 2
     assert compile_for_hopper(decode_attention._split_attention, types, dict(
-        GROUP=group, BLOCK_G=group, HEAD_DIM=128, BLOCK_L=block_l, DOT=dot, PROLOGUE=prologue, N_Q=16, DTYPE=0,
+        GROUP=group, BLOCK_G=group, HEAD_DIM=128, BLOCK_L=block_l, DOT=dot, PROLOGUE=prologue, N_Q=16, DTYPE=3,
         COMBINE=combine, BLOCK_S=64, PDL=True), launch_pdl=True)
 
 
@@ -73,11 +73,12 @@ def combine_and_the_separate_prologue():
                                         "k_cache_ptr", "v_cache_ptr")}
     types.update({"positions_ptr": "*i64", "eps": "fp32"})
     assert compile_for_hopper(decode_attention._qk_norm_rope_append, types,
-                              dict(N_Q=16, N_KV=8, HEAD_DIM=128, DTYPE=0, PDL=True), launch_pdl=True)
+                              dict(N_Q=16, N_KV=8, HEAD_DIM=128, DTYPE=3, PDL=True), launch_pdl=True)
 
 
 # name: (weights NF4, the launch's constexprs beyond the shared ones, num_stages): the decode step's launches
-# at one and eight slots as `tile_config` picks them, and the variants the sweep times.
+# at one and eight slots as `tile_config` picks them (bf16 rounded by the GPU's conversion, DTYPE 3), and the
+# variants the sweep times.
 PROJECTIONS = {
     "qkv-broadcast-1": (False, dict(PARTS=3, NORM=True, BLOCK_B=1, SPLIT_K=1), None),
     "gate_up-pair-1": (False, dict(PARTS=2, SILU_MUL=True, NORM=True, BLOCK_B=1, SPLIT_K=1), None),
@@ -93,6 +94,9 @@ PROJECTIONS = {
     "nf4-gate_up-pair-at-once-8": (True, dict(PARTS=2, SILU_MUL=True, NORM=True, BLOCK_B=8, BLOCK_N=4, SPLIT_K=1,
                                               PRODUCT=3), None),
     "nf4-qkv-at-once-8": (True, dict(PARTS=3, NORM=True, BLOCK_B=8, BLOCK_N=4, SPLIT_K=1, PRODUCT=3), None),
+    # bf16 rounded by its bits (DTYPE 0, what the interpreter runs) rather than by the conversion the GPU takes
+    "nf4-qkv-at-once-8-bit-rounding": (True, dict(PARTS=3, NORM=True, BLOCK_B=8, BLOCK_N=4, SPLIT_K=1, PRODUCT=3,
+                                                  DTYPE=0), None),
     "nf4-down-split-at-once-8": (True, dict(RESIDUAL=True, BLOCK_B=8, SPLIT_K=3, CHUNKS=3, PRODUCT=3), None),
     "dense-qkv-at-once-4": (False, dict(PARTS=3, NORM=True, BLOCK_B=4, SPLIT_K=1, PRODUCT=3), None),
     "swap-qkv-a-per-program-8": (False, dict(PARTS=3, NORM=True, LORA=1, PRODUCT=1, SWAP=True, BLOCK_N=32,
@@ -129,7 +133,7 @@ def projection_kernel(name: str, **overrides):
                       f"absmax2_{i}": "*fp32" if nf4 else "*bf16", f"offset{i}": "fp32",
                       f"a{i}": "*bf16" if lora == 1 else "*fp32", f"b{i}": "*bf16"})
     shared = dict(PARTS=1, SILU_MUL=False, DENSE=not nf4, NESTED=nf4, NORM=False, LORA=lora, RESIDUAL=False,
-                  DTYPE=0, BLOCK_N=8, BLOCK_K=1024, BLOCK_R=16, PRODUCT=2, PDL=True, SWAP=False,
+                  DTYPE=3, BLOCK_N=8, BLOCK_K=1024, BLOCK_R=16, PRODUCT=2, PDL=True, SWAP=False,
                   WAIT_IN_LOOP=False, DOWN_B=1, DOWN_R=8, DOWN_K=1024, PAIR=True, CHUNKS=1)
     constants = {**shared, **constants}
     if constants["SWAP"]:
