@@ -150,7 +150,7 @@ def bench_group(name, kind, batch, args, bandwidth, rows, write):
         return project(x, weights, norm_weight=gamma if norm else None, residual=res, silu_mul=silu,
                        lora_a_stacked=stacked_a, lora_sync=sync, split_counters=split)
 
-    tiles = tile_config(batch, True, kind == "bf16", silu, bool(args.rank))
+    tiles = tile_config(batch, True, kind == "bf16", silu, bool(args.rank), len(weights))
     row = {**base, "impl": "shipped", "tiles": dataclasses.asdict(tiles)}
     row["rel_err_vs_module"] = float((shipped().double() - want).norm() / want.norm())
     row["us"] = graph_us(shipped, args.calls, args.replays)

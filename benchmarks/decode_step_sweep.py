@@ -140,28 +140,35 @@ VARIANTS = {
     # bf16 rounded by its bit arithmetic in the compiled kernels too (DTYPE 0), as before session 16
     "bit_rounding": {"bit_rounding": True},
     # one launch kind's tiles at a time (session 16, dense weights past four rows): swapped 16 x 256 tiles (twice
-    # the programs), swapped 32 x 128 over 4 stages, the shipped tiles with K over 2 programs, or broadcast sums
-    # of every row at once (8- or 4-row tiles, K over up to 4 programs, x @ A.T by the launch's first programs)
+    # the programs), swapped 32 x 128 over 4 stages, the shipped tiles with K over 2 programs (`_tiles_split_2`,
+    # `<kind>_split_2` in session 17's results, which held these options), or broadcast sums of every row at
+    # once (8- or 4-row tiles, K over up to 4 programs, x @ A.T by the launch's first programs)
     "qkv_swap_16x256": {"only_qkv": {"product": 1, "swap": True, "block_n": 16, "block_k": 256, "num_stages": 3, "a_per_program": True}},
     "qkv_swap_32x128_s4": {"only_qkv": {"product": 1, "swap": True, "block_n": 32, "block_k": 128, "num_stages": 4, "a_per_program": True}},
-    "qkv_split_2": {"only_qkv": {"split_k": 2}},
+    "qkv_tiles_split_2": {"only_qkv": {"split_k": 2}},
     "qkv_at_once_8": {"only_qkv": {"product": 3, "swap": False, "block_n": 8, "block_k": 1024, "split_k": 4, "a_per_program": False}},
     "qkv_at_once_4": {"only_qkv": {"product": 3, "swap": False, "block_n": 4, "block_k": 1024, "split_k": 4, "a_per_program": False}},
     "o_swap_16x256": {"only_o": {"product": 1, "swap": True, "block_n": 16, "block_k": 256, "num_stages": 3, "a_per_program": True}},
     "o_swap_32x128_s4": {"only_o": {"product": 1, "swap": True, "block_n": 32, "block_k": 128, "num_stages": 4, "a_per_program": True}},
-    "o_split_2": {"only_o": {"split_k": 2}},
+    "o_tiles_split_2": {"only_o": {"split_k": 2}},
     "o_at_once_8": {"only_o": {"product": 3, "swap": False, "block_n": 8, "block_k": 1024, "split_k": 4, "a_per_program": False}},
     "o_at_once_4": {"only_o": {"product": 3, "swap": False, "block_n": 4, "block_k": 1024, "split_k": 4, "a_per_program": False}},
     "gate_up_swap_16x256": {"only_gate_up": {"product": 1, "swap": True, "block_n": 16, "block_k": 256, "num_stages": 3, "a_per_program": True}},
     "gate_up_swap_32x128_s4": {"only_gate_up": {"product": 1, "swap": True, "block_n": 32, "block_k": 128, "num_stages": 4, "a_per_program": True}},
-    "gate_up_split_2": {"only_gate_up": {"split_k": 2}},
+    "gate_up_tiles_split_2": {"only_gate_up": {"split_k": 2}},
     "gate_up_at_once_8": {"only_gate_up": {"product": 3, "swap": False, "block_n": 8, "block_k": 1024, "split_k": 4, "a_per_program": False}},
     "gate_up_at_once_4": {"only_gate_up": {"product": 3, "swap": False, "block_n": 4, "block_k": 1024, "split_k": 4, "a_per_program": False}},
     "down_swap_16x256": {"only_down": {"product": 1, "swap": True, "block_n": 16, "block_k": 256, "num_stages": 3, "a_per_program": True}},
     "down_swap_32x128_s4": {"only_down": {"product": 1, "swap": True, "block_n": 32, "block_k": 128, "num_stages": 4, "a_per_program": True}},
-    "down_split_2": {"only_down": {"split_k": 2}},
+    "down_tiles_split_2": {"only_down": {"split_k": 2}},
     "down_at_once_8": {"only_down": {"product": 3, "swap": False, "block_n": 8, "block_k": 1024, "split_k": 4, "a_per_program": False}},
     "down_at_once_4": {"only_down": {"product": 3, "swap": False, "block_n": 4, "block_k": 1024, "split_k": 4, "a_per_program": False}},
+    "gate_up_tiles_split_4": {"only_gate_up": {"split_k": 4}},
+    # dense weights with an adapter at 5-8 rows as before session 17: o, gate and up, down in swapped 32 x 256
+    # tiles, x @ A.T in every program, K not split (qkv's tiles did not change)
+    "swapped_5_8": {f"only_{kind}": {"product": 1, "swap": True, "block_n": 32, "block_k": 256, "num_stages": 3,
+                                     "a_per_program": True, "split_k": 1, "pair": False}
+                    for kind in ("o", "gate_up", "down")},
 }
 DEFAULT_VARIANTS = ["default", "module", "separate_down", "broadcast_8x1024_once", "tc_16x256_once",
                     "swap_32x256_s3", "swap_16x256_s3", "swap_64x256_s3", "swap_16x512_s1"]
@@ -193,7 +200,8 @@ def broadcast_tiles(x, weights, silu_mul: bool, product: int) -> dict:
     every row at once); nothing for other launches."""
     from miniverl.engine.rollout.decode_projection import (PRODUCT_BROADCAST, PRODUCT_BROADCAST_AT_ONCE,
                                                            tile_config)
-    tiles = tile_config(x.shape[0], x.is_cuda, weights[0].dense, silu_mul, weights[0].lora_a is not None)
+    tiles = tile_config(x.shape[0], x.is_cuda, weights[0].dense, silu_mul, weights[0].lora_a is not None,
+                        len(weights))
     if tiles.product not in (PRODUCT_BROADCAST, PRODUCT_BROADCAST_AT_ONCE) or x.shape[0] == 1:
         return {}
     return dataclasses.asdict(dataclasses.replace(tiles, product=product))

@@ -745,7 +745,8 @@ class Tiles:
     pair: bool = True  # gate's and up's tiles in one loop
 
 
-def tile_config(batch: int, on_gpu: bool, dense: bool = False, silu_mul: bool = False, lora: bool = True) -> Tiles:
+def tile_config(batch: int, on_gpu: bool, dense: bool = False, silu_mul: bool = False, lora: bool = True,
+                parts: int = 1) -> Tiles:
     """The tiles for a launch over `batch` rows of x, from the whole replayed step on one H200
     (benchmarks/results/decode_step_sweep_h200.md).
 
@@ -768,13 +769,22 @@ def tile_config(batch: int, on_gpu: bool, dense: bool = False, silu_mul: bool = 
     64 x 256 with K split over up to 3 programs (2 for K 1024): 1.24-1.28 ms at 5-8 rows against 1.39-1.45 for
     32 x 256 split 2 and 1.64 for no split (session 13); with LoRA a split was slower (2.166 against 1.954 at 8)
     and 64-row tiles do not fit shared memory beside A's. NF4 past 8 rows: tensor-core tiles.
+
+    With an adapter at 5-8 rows each launch kind was timed on its own in the step (session 17, one H100, bf16 at
+    8 slots, 1.925 ms with the tiles above for all): o_proj and down_proj (`parts` 1, no SiLU) take every row's
+    broadcast sums at once as at 4 rows (1.833 and 1.727 ms), gate and up the swapped tiles with K over 2 programs
+    (1.671); qkv kept its tiles (1.988-2.502 with the others). Together (session 18, one H100): 1.70-1.73 ms at
+    5-8 bf16 slots against 1.87-2.23 on the swapped tiles for all; gate/up's K over 4 programs 1.81-1.85.
     """
     if not on_gpu:  # Triton's interpreter runs programs one by one in Python: the fewest, largest tiles
         return Tiles(PRODUCT_DOT32, 64, 1024)
-    if dense and batch > 4:
+    single = parts == 1 and not silu_mul  # o_proj, down_proj
+    if dense and batch > 4 and not (lora and single and batch <= 8):
         if not lora and batch <= 8:
             return Tiles(PRODUCT_TENSOR_CORE, 64, 256, swap=True, num_stages=3, split_k=3, pair=False)
-        return Tiles(PRODUCT_TENSOR_CORE, 32, 256, swap=True, num_stages=3, a_per_program=True, pair=False)
+        split = 2 if silu_mul and batch <= 8 else 1
+        return Tiles(PRODUCT_TENSOR_CORE, 32, 256, swap=True, num_stages=3, a_per_program=True, split_k=split,
+                     pair=False)
     if batch <= 8:
         narrow = (not dense and (silu_mul or batch > 1)) or (dense and not lora and batch > 1)
         at_once = batch >= 4 and (not dense or lora)
@@ -811,7 +821,8 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     the tiles' choice): gate's and up's weight tiles in one loop.
     """
     k = weights[0].k
-    default = tile_config(x.shape[0], x.is_cuda, weights[0].dense, silu_mul, weights[0].lora_a is not None)
+    default = tile_config(x.shape[0], x.is_cuda, weights[0].dense, silu_mul, weights[0].lora_a is not None,
+                          len(weights))
     if product is not None:  # a caller naming its product names its tiles: no swap, stages or A per program implied
         default = Tiles(product, default.block_n, default.block_k)
     product = default.product

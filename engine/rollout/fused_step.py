@@ -46,7 +46,9 @@ was slower too (bf16 0.928 against 0.897 ms at one slot, NF4 1.188 against 1.135
 so the step keeps the combine as a launch of its own. Session 15 (on an H100): NF4 at
 eight slots 2.69 ms against 3.08 with every row's broadcast sums at once (`tile_config`);
 launches asking L2 for later launches' weights (Hopper's bulk prefetch) were slower at
-every schedule tried (bf16 1.03-1.25 ms against 0.99 at one slot) and were not kept.
+every schedule tried (bf16 1.03-1.25 ms against 0.99 at one slot) and were not kept. Sessions 17-18
+(H100): bf16 rounded by the GPU's conversion, and with an adapter at 5-8 rows o_proj and down_proj sum
+every row at once while gate/up split K over 2 programs: bf16 0.965 ms at one slot, 1.70-1.73 at 5-8.
 """
 
 from __future__ import annotations

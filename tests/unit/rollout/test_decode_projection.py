@@ -121,7 +121,7 @@ def test_the_tiles_a_gpu_takes_are_the_same_projection(kind: str, batch: int):
     parts = [make(kind, n, k, 8, gen) for n in (96, 40, 40)]
     weights = [w for w, *_ in parts]
     x, gamma = draw(gen, batch, k, s=3.0), draw(gen, k, s=0.5)
-    tiles = tile_config(batch, on_gpu=True, dense=kind == "dense")
+    tiles = tile_config(batch, on_gpu=True, dense=kind == "dense", parts=3)
     assert tiles.swap == (kind == "dense" and batch > 4)  # swapped tensor-core tiles: dense weights past 4 rows
     product = tiles.product if tiles.product in PRODUCTS else 0  # the interpreter's dot for a tensor-core one
     counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
@@ -146,6 +146,17 @@ def test_the_tiles_a_gpu_takes_are_the_same_projection(kind: str, batch: int):
     g, u = linear64(x64, g64, ga, gb), linear64(x64, u64, ua, ub)
     assert rel(act, g * torch.sigmoid(g) * u) <= 1e-2
     assert not counters.any()
+    # one weight and a residual (o_proj, down_proj): with an adapter every row's sums at once up to 8 rows
+    (down, d64, da, db), residual = make(kind, 48, k, 8, gen), draw(gen, batch, 48, s=2.0)
+    tiles = tile_config(batch, on_gpu=True, dense=kind == "dense")
+    assert tiles.swap == (kind == "dense" and batch > 8)
+    product = tiles.product if tiles.product in PRODUCTS else 0
+    y = project(x, [down], residual=residual, product=product, block_n=tiles.block_n,
+                block_k=min(tiles.block_k, 128), swap=tiles.swap, num_stages=tiles.num_stages,
+                a_per_program=tiles.a_per_program, lora_a_stacked=stack_lora_a([down]), split_k=tiles.split_k,
+                split_counters=counters, lora_sync=torch.zeros(2, dtype=torch.int32, device=DEVICE))
+    assert rel(y, residual.double().cpu() + linear64(x.double().cpu(), d64, da, db)) <= 4e-3
+    assert not counters.any()
 
 
 @pytest.mark.parametrize("batch", [3, 8])
@@ -155,12 +166,17 @@ def test_the_tiles_a_gpu_takes_for_dense_weights_without_an_adapter(batch: int):
     launch with a norm and for one with a residual, the counters left zeroed."""
     assert tile_config(3, True, dense=True, lora=False) == Tiles(PRODUCT_BROADCAST, 4, 1024, split_k=4)
     assert tile_config(3, True, dense=True) == Tiles(PRODUCT_BROADCAST, 8, 1024, split_k=4)
-    assert tile_config(8, True, dense=True, lora=False).split_k == 3 and tile_config(8, True, dense=True).split_k == 1
+    assert tile_config(8, True, dense=True, lora=False).split_k == 3 and tile_config(8, True, dense=True, parts=3).split_k == 1
     assert tile_config(17, True, dense=True, lora=False).split_k == 1
     # every row's sums at once from 4 rows for NF4 and for dense weights with an adapter (session 15)
     assert tile_config(4, True, dense=True, lora=False).product == PRODUCT_BROADCAST
     assert [tile_config(b, True).product for b in (1, 3, 4, 8)] == [PRODUCT_BROADCAST] * 2 + [PRODUCT_BROADCAST_AT_ONCE] * 2
     assert tile_config(4, True, dense=True).product == PRODUCT_BROADCAST_AT_ONCE
+    # with an adapter at 5-8 rows (session 17): o and down every row at once, gate and up swapped with K over 2
+    assert tile_config(8, True, dense=True) == Tiles(PRODUCT_BROADCAST_AT_ONCE, 8, 1024, split_k=4)
+    assert tile_config(9, True, dense=True).swap and tile_config(8, True, dense=True, parts=3).split_k == 1
+    assert tile_config(8, True, dense=True, silu_mul=True, parts=2).split_k == 2
+    assert tile_config(9, True, dense=True, silu_mul=True, parts=2).split_k == 1
     gen = torch.Generator().manual_seed(40 + batch)
     k, eps = 384, 1e-6  # three 128-column tiles: split 3 takes one each
     dense = [draw(gen, n, k, s=0.05) for n in (96, 40, 48)]

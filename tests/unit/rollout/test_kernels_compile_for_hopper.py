@@ -99,6 +99,7 @@ PROJECTIONS = {
                                                   DTYPE=0), None),
     "nf4-down-split-at-once-8": (True, dict(RESIDUAL=True, BLOCK_B=8, SPLIT_K=3, CHUNKS=3, PRODUCT=3), None),
     "dense-qkv-at-once-4": (False, dict(PARTS=3, NORM=True, BLOCK_B=4, SPLIT_K=1, PRODUCT=3), None),
+    "dense-down-split-at-once-8": (False, dict(RESIDUAL=True, BLOCK_B=8, SPLIT_K=3, CHUNKS=3, PRODUCT=3), None),
     "swap-qkv-a-per-program-8": (False, dict(PARTS=3, NORM=True, LORA=1, PRODUCT=1, SWAP=True, BLOCK_N=32,
                                              BLOCK_K=256, SPLIT_K=1), 3),
     "swap-gate_up-two-loops-8": (False, dict(PARTS=2, SILU_MUL=True, NORM=True, LORA=1, PRODUCT=1, SWAP=True,
