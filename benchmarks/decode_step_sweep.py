@@ -164,6 +164,9 @@ VARIANTS = {
     "down_at_once_8": {"only_down": {"product": 3, "swap": False, "block_n": 8, "block_k": 1024, "split_k": 4, "a_per_program": False}},
     "down_at_once_4": {"only_down": {"product": 3, "swap": False, "block_n": 4, "block_k": 1024, "split_k": 4, "a_per_program": False}},
     "gate_up_tiles_split_4": {"only_gate_up": {"split_k": 4}},
+    # o's and down's K in one program (their broadcast tiles split it over up to 4 by default)
+    "o_tiles_split_1": {"only_o": {"split_k": 1}},
+    "down_tiles_split_1": {"only_down": {"split_k": 1}},
     # dense weights with an adapter at 5-8 rows as before session 17: o, gate and up, down in swapped 32 x 256
     # tiles, x @ A.T in every program, K not split (qkv's tiles did not change)
     "swapped_5_8": {f"only_{kind}": {"product": 1, "swap": True, "block_n": 32, "block_k": 256, "num_stages": 3,
