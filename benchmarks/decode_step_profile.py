@@ -40,8 +40,33 @@ LAYER = ["qkv", "attention", "combine", "o", "gate_up", "down"]  # fused_step.de
 def kernel_rows(trace: Path) -> list[dict]:
     events = json.loads(trace.read_text())["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
-    return sorted(({"name": e["name"], "ts": float(e["ts"]), "dur": float(e["dur"])} for e in kernels),
-                  key=lambda e: e["ts"])
+    return sorted(({"name": e["name"], "ts": float(e["ts"]), "dur": float(e["dur"]), "args": e.get("args", {})}
+                   for e in kernels), key=lambda e: e["ts"])
+
+
+SHAPE_ARGS = ("grid", "block", "registers per thread", "shared memory", "blocks per SM", "warps per SM",
+              "est. achieved occupancy %")
+
+
+def launch_shape(kernel: dict, props) -> dict:
+    """The launch's shape as the profiler records it, with `resident_per_sm` (the programs an SM holds at once by
+    their registers, threads and shared memory) and `waves` (its programs over what all SMs hold): past one wave,
+    later programs start only when earlier ones finish, so they cannot read their weights before PDL's wait."""
+    args = kernel["args"]
+    shape = {key: args[key] for key in SHAPE_ARGS if key in args}
+    grid, block, regs = args.get("grid"), args.get("block"), args.get("registers per thread")
+    if grid and block and regs:
+        threads = block[0] * block[1] * block[2]
+        warp_regs = -(-regs * 32 // 256) * 256  # registers are allocated a warp at a time, 256 at a time
+        by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * (-(-threads // 32)))
+        by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
+        shared = args.get("shared memory", 0)
+        by_shared = getattr(props, "shared_memory_per_multiprocessor", 233472) // shared if shared else by_threads
+        resident = min(by_regs, by_threads, by_shared, 32)
+        programs = grid[0] * grid[1] * grid[2]
+        shape.update(programs=programs, resident_per_sm=resident,
+                     waves=programs / (props.multi_processor_count * resident) if resident else None)
+    return shape
 
 
 def split_steps(kernels: list[dict], per_step: int) -> list[list[dict]]:
@@ -68,6 +93,8 @@ def attribute(step: list[dict], layers: int) -> dict:
     out["after_kernels"] = [k["name"][:60] for k in step[first + layers * len(LAYER):]]
     out["before_kernels"] = [k["name"][:60] for k in step[:first]]
     out["names"] = sorted({k["name"][:80] for k in step[first:first + len(LAYER)]})
+    props = torch.cuda.get_device_properties(0)
+    out["first_layer_shapes"] = {place: launch_shape(step[first + i], props) for i, place in enumerate(LAYER)}
     return out
 
 
@@ -92,7 +119,8 @@ def profile(decoder: StaticDecoder, reps: int, tmp: Path, label: str) -> dict:
             "before_us": statistics.median(s["before_us"] for s in steps),
             "after_us": statistics.median(s["after_us"] for s in steps),
             "places_us_over_layers": place_mean, "before_kernels": steps[0]["before_kernels"],
-            "after_kernels": steps[0]["after_kernels"], "layer_kernel_names": steps[0]["names"]}
+            "after_kernels": steps[0]["after_kernels"], "layer_kernel_names": steps[0]["names"],
+            "first_layer_shapes": steps[0]["first_layer_shapes"]}
 
 
 def main() -> None:

@@ -165,6 +165,23 @@ VARIANTS = {
     "down_at_once_4": {"only_down": {"product": 3, "swap": False, "block_n": 4, "block_k": 1024, "split_k": 4, "a_per_program": False}},
     "gate_up_tiles_split_4": {"only_gate_up": {"split_k": 4}},
     # o's and down's K in one program (their broadcast tiles split it over up to 4 by default)
+    # session 19: x @ A.T in every program of the broadcast tiles (no chain from the launch's first programs)
+    "a_per_program": {"a_per_program": True},
+    "a_per_program_n16": {"a_per_program": True, "block_n": 16},
+    "a_per_program_n4": {"a_per_program": True, "block_n": 4},
+    "a_per_program_w8": {"a_per_program": True, "num_warps": 8},
+    # session 19: registers capped so that a launch's programs fit the SMs in one wave (or leave room for the
+    # next launch's programs to read their weights before PDL's wait)
+    "qkv_regs_128": {"only_qkv": {"max_registers": 128}},
+    "gate_up_regs_128": {"only_gate_up": {"max_registers": 128}},
+    "gate_up_regs_80": {"only_gate_up": {"max_registers": 80}},
+    "gate_up_n8": {"only_gate_up": {"block_n": 8}},
+    "gate_up_n8_regs_168": {"only_gate_up": {"block_n": 8, "max_registers": 168}},
+    "o_down_regs_96": {"only_o": {"max_registers": 96}, "only_down": {"max_registers": 96}},
+    "regs_128": {"max_registers": 128},
+    "nf4_one_wave": {"only_qkv": {"max_registers": 128}, "only_gate_up": {"block_n": 8, "max_registers": 168}},
+    "n16": {"block_n": 16},
+    "w8": {"num_warps": 8},
     "o_tiles_split_1": {"only_o": {"split_k": 1}},
     "down_tiles_split_1": {"only_down": {"split_k": 1}},
     # dense weights with an adapter at 5-8 rows as before session 17: o, gate and up, down in swapped 32 x 256

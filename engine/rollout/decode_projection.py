@@ -743,6 +743,7 @@ class Tiles:
     a_per_program: bool = False
     split_k: int = 1  # programs a tile along K (`project(split_k=...)`), where the caller gives counters
     pair: bool = True  # gate's and up's tiles in one loop
+    max_registers: int | None = None  # ptxas' maxnreg for the launch; None: ptxas' choice
 
 
 def tile_config(batch: int, on_gpu: bool, dense: bool = False, silu_mul: bool = False, lora: bool = True,
@@ -798,7 +799,8 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
             num_stages: int | None = None, lora_a_stacked: torch.Tensor | None = None,
             swap: bool | None = None, a_per_program: bool | None = None,
             lora_sync: torch.Tensor | None = None, span_k: bool = False, split_k: int | None = None,
-            split_counters: torch.Tensor | None = None, pair: bool | None = None) -> torch.Tensor:
+            split_counters: torch.Tensor | None = None, pair: bool | None = None,
+            max_registers: int | None = None) -> torch.Tensor:
     """norm(x) through 1-3 weights of one kind: side by side -> [B, sum N] (+ residual), or with `silu_mul`
     (two weights, gate then up) SiLU(gate) * up -> [B, N].
 
@@ -818,7 +820,9 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     once (`lora_a_stacked`); with A per program each program adds its K's share of x @ A.T times B to its
     partial. It needs `split_counters`, int32 zeros on x's device with one entry a tile (`SPLIT_COUNTERS` covers
     the decoder's launches), owned by the call site and left zeroed; without them K is not split. `pair` (None:
-    the tiles' choice): gate's and up's weight tiles in one loop.
+    the tiles' choice): gate's and up's weight tiles in one loop. `max_registers` (None: the tiles' choice): the
+    most registers a thread of the launch may take (ptxas' maxnreg), so that more of its programs fit on an SM at
+    once.
     """
     k = weights[0].k
     default = tile_config(x.shape[0], x.is_cuda, weights[0].dense, silu_mul, weights[0].lora_a is not None,
@@ -833,6 +837,7 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     a_per_program = default.a_per_program if a_per_program is None else a_per_program
     split_k = default.split_k if split_k is None else split_k
     pair = default.pair if pair is None else pair
+    max_registers = default.max_registers if max_registers is None else max_registers
     first = weights[0]
     rank = 0 if first.lora_a is None else first.lora_a.shape[0]
     if split_counters is None:
@@ -942,7 +947,8 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
         PRODUCT=product, SWAP=swap, WAIT_IN_LOOP=swap and num_stages == 1, DOWN_B=down_b, DOWN_R=down_r,
         DOWN_K=down_k, PAIR=pair, SPLIT_K=split_k, CHUNKS=chunks if xa is not None else 1,
         num_warps=num_warps,
-        **({} if num_stages is None else {"num_stages": num_stages}), **options)
+        **({} if num_stages is None else {"num_stages": num_stages}),
+        **({} if max_registers is None or not x.is_cuda else {"maxnreg": max_registers}), **options)
     return y
 
 
