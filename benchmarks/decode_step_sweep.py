@@ -164,7 +164,6 @@ VARIANTS = {
     "down_at_once_8": {"only_down": {"product": 3, "swap": False, "block_n": 8, "block_k": 1024, "split_k": 4, "a_per_program": False}},
     "down_at_once_4": {"only_down": {"product": 3, "swap": False, "block_n": 4, "block_k": 1024, "split_k": 4, "a_per_program": False}},
     "gate_up_tiles_split_4": {"only_gate_up": {"split_k": 4}},
-    # o's and down's K in one program (their broadcast tiles split it over up to 4 by default)
     # session 19: x @ A.T in every program of the broadcast tiles (no chain from the launch's first programs)
     "a_per_program": {"a_per_program": True},
     "a_per_program_n16": {"a_per_program": True, "block_n": 16},
@@ -182,6 +181,7 @@ VARIANTS = {
     "nf4_one_wave": {"only_qkv": {"max_registers": 128}, "only_gate_up": {"block_n": 8, "max_registers": 168}},
     "n16": {"block_n": 16},
     "w8": {"num_warps": 8},
+    # o's and down's K in one program (their broadcast tiles split it over up to 4 by default)
     "o_tiles_split_1": {"only_o": {"split_k": 1}},
     "down_tiles_split_1": {"only_down": {"split_k": 1}},
     # dense weights with an adapter at 5-8 rows as before session 17: o, gate and up, down in swapped 32 x 256

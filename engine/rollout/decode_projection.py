@@ -743,7 +743,6 @@ class Tiles:
     a_per_program: bool = False
     split_k: int = 1  # programs a tile along K (`project(split_k=...)`), where the caller gives counters
     pair: bool = True  # gate's and up's tiles in one loop
-    max_registers: int | None = None  # ptxas' maxnreg for the launch; None: ptxas' choice
 
 
 def tile_config(batch: int, on_gpu: bool, dense: bool = False, silu_mul: bool = False, lora: bool = True,
@@ -820,7 +819,7 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     once (`lora_a_stacked`); with A per program each program adds its K's share of x @ A.T times B to its
     partial. It needs `split_counters`, int32 zeros on x's device with one entry a tile (`SPLIT_COUNTERS` covers
     the decoder's launches), owned by the call site and left zeroed; without them K is not split. `pair` (None:
-    the tiles' choice): gate's and up's weight tiles in one loop. `max_registers` (None: the tiles' choice): the
+    the tiles' choice): gate's and up's weight tiles in one loop. `max_registers` (None: ptxas' choice): the
     most registers a thread of the launch may take (ptxas' maxnreg), so that more of its programs fit on an SM at
     once.
     """
@@ -837,7 +836,6 @@ def project(x: torch.Tensor, weights: list[Weight], *, norm_weight: torch.Tensor
     a_per_program = default.a_per_program if a_per_program is None else a_per_program
     split_k = default.split_k if split_k is None else split_k
     pair = default.pair if pair is None else pair
-    max_registers = default.max_registers if max_registers is None else max_registers
     first = weights[0]
     rank = 0 if first.lora_a is None else first.lora_a.shape[0]
     if split_counters is None:
